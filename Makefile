@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine: `make serve` and `make test`.
+# The venv is rebuilt only when pyproject.toml changes (a stamp keyed on its hash).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-16)
+SERVE_ARGS ?=
+
+.PHONY: install serve test lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/loraplex serve $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests bench examples
+	$(VENV)/bin/ruff format src tests bench examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache

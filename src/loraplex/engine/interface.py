@@ -1,0 +1,76 @@
+"""The engine as the runtime sees it: one small abstract interface, so the runtime can be tested with a fake.
+
+Every method is called from one engine worker thread at a time (the runtime serialises them).
+Inputs and outputs are plain data (engine/types.py): numpy arrays, dataclasses, paths. No HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult
+from loraplex.errors import UserError
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine serves: reported by get_info / capabilities, stamped into checkpoints."""
+
+    model_name: str  # e.g. "loraplex/tiny" or the --model-name given at start-up
+    arch: str  # "qwen3", "qwen2", "llama"
+    tokenizer_dir: str  # local HF tokenizer directory (get_info's tokenizer_id)
+    vocab_size: int
+    max_context_length: int
+    max_rank: int
+    base_model_digest: str  # identity of the base weights; checkpoints of another base are refused
+    device: str
+
+
+class Engine(ABC):
+    """Compute plane: slots, fused passes, fused optimizer steps, checkpoints and snapshots."""
+
+    info: EngineInfo
+
+    @abstractmethod
+    def validate_pass_request(self, request: PassRequest) -> None:
+        """Raise UserError naming datum index, key and expectation; cheap, numpy only, touches no state."""
+
+    @abstractmethod
+    def create_slot(self, config: LoraConfig) -> int:
+        """Allocate a fresh adapter (A seeded, B zero, no optimizer state) and return its slot id."""
+
+    @abstractmethod
+    def free_slot(self, slot: int) -> None:
+        """Drop a slot's weights, gradients and optimizer state; the id may be reused."""
+
+    @abstractmethod
+    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+        """Run all requests in one packed pass; per request a result, or the UserError that rejected it.
+
+        Semantics: equal to running each request alone, in order. Training requests add into their
+        slot's gradient accumulators; a rejected request changes no state.
+        """
+
+    @abstractmethod
+    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
+        """One fused AdamW step of the given slots; per slot metrics (grad_norm, learning_rate, ...)."""
+
+    @abstractmethod
+    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
+        """Write weights + AdamW state + config + base identity + owner atomically; return bytes written."""
+
+    @abstractmethod
+    def load_state(
+        self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
+    ) -> tuple[int, LoraConfig]:
+        """Load a checkpoint into `slot` (None = a new slot); verify everything before touching it."""
+
+    @abstractmethod
+    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
+        """The LoraConfig stored in a checkpoint or snapshot directory (UserError if unreadable)."""
+
+    @abstractmethod
+    def save_snapshot(self, slot: int, directory: Path) -> int:
+        """Write an immutable PEFT-format copy of the slot's weights atomically; return bytes written."""

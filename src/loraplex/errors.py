@@ -1,0 +1,43 @@
+"""The one error hierarchy of loraplex, shared by every layer.
+
+`UserError` is bad input: the API answers it as a failed future with category "user" or as a
+400/404/422 with a body, never 409/429/5xx (the Tinker SDK retries those for minutes).
+Anything else raised inside the service is a server error (5xx or category "server", logged).
+To add an error, subclass the category it belongs to and the stdlib type it stands in for.
+"""
+
+
+class LoraplexError(Exception):
+    """Base of every error loraplex raises on purpose."""
+
+
+class UserError(LoraplexError, ValueError):
+    """The request was wrong; retrying it unchanged fails the same way (HTTP 400 / category user)."""
+
+    status_code = 400
+
+
+class NotFoundError(UserError, LookupError):
+    """The named run, future, sampler or checkpoint does not exist or is not the caller's (404)."""
+
+    status_code = 404
+
+
+class PermissionDeniedError(UserError, PermissionError):
+    """The object exists but belongs to another tenant (403)."""
+
+    status_code = 403
+
+
+class AuthenticationError(UserError):
+    """The API key is missing or unknown (401)."""
+
+    status_code = 401
+
+
+class CapacityError(LoraplexError):
+    """The service is temporarily full (e.g. no free slot); the same request may succeed later."""
+
+
+class ServerError(LoraplexError, RuntimeError):
+    """Something broke inside the service; the request itself may have been fine."""
