@@ -1,6 +1,7 @@
 """Imports only point down the layers: api -> runtime -> engine -> model (DESIGN.md §1)."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,5 +47,5 @@ def test_the_check_catches_a_forbidden_import(tmp_path: Path, monkeypatch: pytes
     fake = tmp_path / "loraplex"
     (fake / "runtime").mkdir(parents=True)
     (fake / "runtime" / "bad.py").write_text("import torch\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert _violations("runtime") == ["runtime/bad.py imports torch"]
