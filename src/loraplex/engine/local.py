@@ -1,0 +1,147 @@
+"""The in-process engine: one decoder on one device, its slot pool, fused passes and fused steps.
+
+`build_local_engine` turns start-up options (model, device, capacity) into a ready `LocalEngine`.
+Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplex.engine import checkpoints, snapshots
+from loraplex.engine.interface import Engine, EngineInfo
+from loraplex.engine.losses import validate_loss_request
+from loraplex.engine.passes import run_pass
+from loraplex.engine.slots import SlotPool
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult
+from loraplex.errors import NotFoundError, UserError
+from loraplex.model.decoder import Decoder
+from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
+from loraplex.model.tiny import ensure_tiny_model
+
+# The name the built-in model is served under unless --model-name says otherwise.
+TINY_MODEL_NAME = "loraplex/tiny"
+# Tokens per lm_head chunk: bounds the loss path's extra memory at chunk × vocab fp32 values.
+DEFAULT_LOGPROB_CHUNK = 1024
+
+
+class LocalEngine(Engine):
+    """Engine over a decoder held in this process."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        info: EngineInfo,
+        max_slots: int,
+        logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+    ) -> None:
+        self.decoder = decoder
+        self.info = info
+        self.pool = SlotPool(decoder, max_slots, info.max_rank)
+        self.logprob_chunk = logprob_chunk
+
+    def validate_pass_request(self, request: PassRequest) -> None:
+        """Raise UserError naming datum index, key and expectation; touches no state."""
+        self._validate(request)
+
+    def _validate(self, request: PassRequest) -> dict[str, float]:
+        if request.slot is not None and not self.pool.has_slot(request.slot):
+            raise NotFoundError(f"adapter slot {request.slot} is not loaded")
+        if not request.datums:
+            raise UserError("a forward/forward_backward request needs at least one datum")
+        for index, datum in enumerate(request.datums):
+            _check_tokens(index, datum.tokens, self.info.vocab_size, self.info.max_context_length)
+        return validate_loss_request(request, self.info.vocab_size)
+
+    def create_slot(self, config: LoraConfig) -> int:
+        """A fresh adapter: A seeded from config.seed, B zero, zero accumulators, no AdamW steps."""
+        return self.pool.create(config)
+
+    def free_slot(self, slot: int) -> None:
+        """Drop the slot's weights, accumulators and AdamW state."""
+        self.pool.free(slot)
+
+    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+        """All requests in one packed pass (see `passes.run_pass`)."""
+        return run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+
+    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
+        """One fused AdamW step over the given slots."""
+        return self.pool.step(steps)
+
+    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
+        """Atomic checkpoint of weights, AdamW state, config, base identity and owner."""
+        return checkpoints.save_state(self.pool, slot, directory, owner_digest, self.info.base_model_digest)
+
+    def load_state(
+        self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
+    ) -> tuple[int, LoraConfig]:
+        """Verify a checkpoint fully, then load it into `slot` or a new slot."""
+        return checkpoints.load_state(
+            self.pool, directory, owner_digest, self.info.base_model_digest, with_optimizer, slot
+        )
+
+    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
+        """The LoraConfig of a training checkpoint or a sampler snapshot directory."""
+        if (Path(directory) / checkpoints.MANIFEST_FILE).exists():
+            return checkpoints.read_checkpoint_config(directory)
+        return snapshots.read_snapshot_config(directory, self.pool.targets)
+
+    def save_snapshot(self, slot: int, directory: Path) -> int:
+        """Immutable PEFT-format copy of the slot's weights."""
+        return snapshots.save_snapshot(self.pool, slot, directory, self.info.model_name)
+
+
+def _check_tokens(index: int, tokens: np.ndarray, vocab_size: int, max_length: int) -> None:
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"datum {index}: model_input must be a 1-D list of integer token ids")
+    if not 1 <= len(tokens) <= max_length:
+        raise UserError(
+            f"datum {index}: model_input has {len(tokens)} tokens; expected 1..{max_length} "
+            "(the model's context length)"
+        )
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise UserError(
+            f"datum {index}: model_input token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is a clear error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def build_local_engine(
+    model: str, data_dir: Path, device: str, max_slots: int, max_rank: int, model_name: str | None
+) -> LocalEngine:
+    """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`."""
+    is_tiny = model == "tiny"
+    model_dir = ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser().resolve()
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"--model {model}: {model_dir} is not an HF model directory (no config.json)")
+    torch_device = resolve_device(device)
+    # bf16 matmul on CPUs is ~100x slower than fp32; GPUs hold the frozen base in bf16.
+    dtype = torch.float32 if torch_device.type == "cpu" else torch.bfloat16
+    decoder = load_decoder(model_dir, torch_device, dtype)
+    config = decoder.config
+    info = EngineInfo(
+        model_name=model_name or (TINY_MODEL_NAME if is_tiny else model_dir.name),
+        arch=config.model_type,
+        tokenizer_dir=str(model_dir),
+        vocab_size=config.vocab_size,
+        max_context_length=config.max_position_embeddings,
+        max_rank=max_rank,
+        base_model_digest=base_model_digest(model_dir),
+        device=str(torch_device),
+    )
+    return LocalEngine(decoder, info, max_slots)

@@ -1,0 +1,135 @@
+"""Fused passes: the requests of many slots and losses packed into one forward and at most one backward.
+
+A pass validates every request first (a rejected request changes no state), orders the surviving
+requests' datums so that each slot's tokens are contiguous, runs the decoder once over the pack,
+computes learner logprobs in token chunks, applies each request's own loss to its own slice, and
+backpropagates the sum of the training requests' losses into the slots' gradient accumulators.
+Engine code: no HTTP, no SQL.
+
+Shapes: T packed tokens, D hidden, K widest target form in the pack (1 for (N,) targets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from loraplex.engine.logprobs import chunked_token_logprobs
+from loraplex.engine.losses import compute_loss, pack_loss_inputs
+from loraplex.engine.types import PassRequest, PassResult
+from loraplex.errors import UserError
+from loraplex.model.decoder import Decoder
+from loraplex.model.multi_lora import LoRARouting
+from loraplex.model.packing import PackedSequences
+
+# Validates one request and returns its resolved loss config, or raises UserError.
+Validator = Callable[[PassRequest], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A validated request and where its datums sit in the pack."""
+
+    index: int  # position in the caller's request list
+    request: PassRequest
+    config: dict[str, float]
+    start: int  # first packed token of its first datum
+    end: int
+    width: int | None  # K of (N, K) targets; None for (N,) targets
+
+
+def run_pass(
+    decoder: Decoder, requests: Sequence[PassRequest], validate: Validator, chunk_size: int
+) -> list[PassResult | UserError]:
+    """Run all requests in one packed pass; per request its result, or the UserError that rejected it.
+
+    Semantics: equal to running each request alone, in order: per datum, full-vocabulary fp32 logprobs
+    of its targets under its slot's adapter, its loss per losses.md, and for training requests
+    `loss.sum().backward()` into the slot's accumulators. Reference: tests/engine/test_passes.py.
+    """
+    results: list[PassResult | UserError | None] = [None] * len(requests)
+    accepted: list[tuple[int, PassRequest, dict[str, float]]] = []
+    for index, request in enumerate(requests):
+        try:
+            accepted.append((index, request, validate(request)))
+        except UserError as error:
+            results[index] = error
+    if accepted:
+        # Stable sort: each slot's tokens become one contiguous run; a request's datums stay in order.
+        accepted.sort(key=lambda item: -1 if item[1].slot is None else item[1].slot)
+        placed = _place(accepted)
+        is_training = any(not p.request.forward_only for p in placed)
+        with torch.enable_grad() if is_training else torch.no_grad():
+            for p, result in zip(placed, _compute(decoder, placed, chunk_size, is_training), strict=True):
+                results[p.index] = result
+    return results  # type: ignore[return-value]  # every slot was filled above
+
+
+def _place(accepted: list[tuple[int, PassRequest, dict[str, float]]]) -> list[_Placed]:
+    placed = []
+    start = 0
+    for index, request, config in accepted:
+        end = start + sum(len(d.tokens) for d in request.datums)
+        targets = np.asarray(request.datums[0].loss_fn_inputs["target_tokens"])
+        width = int(targets.shape[1]) if targets.ndim == 2 else None
+        placed.append(_Placed(index, request, config, start, end, width))
+        start = end
+    return placed
+
+
+def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_training: bool) -> list[PassResult]:
+    device = decoder.lm_head.weight.device
+    datums = [d for p in placed for d in p.request.datums]
+    lengths = [len(d.tokens) for d in datums]
+    packing = PackedSequences.from_lengths(lengths, device)
+    routing = LoRARouting.from_sequences(lengths, [p.request.slot for p in placed for _ in p.request.datums])
+    tokens_T = torch.from_numpy(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]))
+    hidden_TD = decoder(tokens_T.to(device), packing, routing)
+
+    def head_fn(hidden_CD: Tensor, start: int, end: int) -> Tensor:
+        return decoder.lm_head(hidden_CD, routing.slice(start, end))
+
+    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, _padded_targets(placed).to(device), chunk_size)
+
+    objective: list[Tensor] = []
+    per_request: list[tuple[list[Tensor], list[Tensor], dict[str, Tensor]]] = []
+    for p in placed:
+        lp = lp_TK[p.start : p.end, 0] if p.width is None else lp_TK[p.start : p.end, : p.width]
+        inputs = [d.loss_fn_inputs for d in p.request.datums]
+        batch = pack_loss_inputs(p.request.loss_fn, p.config, inputs, device)
+        loss_T, metrics = compute_loss(p.request.loss_fn, lp, batch, p.config)
+        if not p.request.forward_only:
+            objective.append(loss_T.sum())
+        per_request.append(
+            (list(lp.detach().split(batch.lengths)), list(loss_T.detach().split(batch.lengths)), metrics)
+        )
+    if is_training:
+        torch.stack(objective).sum().backward()
+    return [_to_result(*outputs) for outputs in per_request]
+
+
+def _padded_targets(placed: list[_Placed]) -> Tensor:
+    """All packed targets as one (T, K) int64 tensor; narrower rows padded with token 0 (ignored)."""
+    width = max(p.width or 1 for p in placed)
+    rows = []
+    for p in placed:
+        for datum in p.request.datums:
+            targets = np.asarray(datum.loss_fn_inputs["target_tokens"], dtype=np.int64)
+            targets = targets.reshape(len(datum.tokens), -1)
+            rows.append(np.pad(targets, ((0, 0), (0, width - targets.shape[1]))))
+    return torch.from_numpy(np.concatenate(rows))
+
+
+def _to_result(
+    lp_per_datum: list[Tensor], loss_per_datum: list[Tensor], metrics: dict[str, Tensor]
+) -> PassResult:
+    outputs = [
+        {"logprobs": lp.float().cpu().numpy(), "elementwise_loss": loss.float().cpu().numpy()}
+        for lp, loss in zip(lp_per_datum, loss_per_datum, strict=True)
+    ]
+    values = torch.stack([m.float() for m in metrics.values()]).cpu().tolist()  # one host sync
+    return PassResult(outputs, dict(zip(metrics, values, strict=True)))

@@ -1,0 +1,119 @@
+"""Attention math between the projections: rotary position embedding, then causal attention over a pack.
+
+Functions over already-projected q, k, v plus packing metadata; the projections live in decoder.py.
+A KV-cache decode path is a sibling of `packed_attention` over the same inputs. Knows nothing of
+slots, checkpoints or HF.
+
+Shapes: T packed tokens, N query heads, K kv heads, H head dim, M sequences of one length, L that length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from loraplex.model.config import DecoderConfig
+from loraplex.model.packing import PackedSequences
+
+
+def _default_inv_freq(config: DecoderConfig) -> Tensor:
+    """Plain rope: theta^(-2i/H) for i in [0, H/2)."""
+    # int64 arange then float, as HF does, so the frequencies agree bit for bit.
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    return 1.0 / (config.rope_theta**exponents)
+
+
+def _llama3_inv_freq(config: DecoderConfig) -> Tensor:
+    """Llama 3.1 context extension: low frequencies divided by `factor`, a smooth blend in between."""
+    scaling = config.rope_scaling
+    assert scaling is not None  # DecoderConfig.from_hf guarantees the llama3 keys
+    inv_freq = _default_inv_freq(config)
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context_len / high_freq_factor) & (
+        wavelen <= old_context_len / low_freq_factor
+    )
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_INV_FREQ_BY_ROPE_TYPE = {"default": _default_inv_freq, "llama3": _llama3_inv_freq}
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the fp32 inverse frequencies; maps positions to the (cos, sin) tables every layer shares."""
+
+    def __init__(self, config: DecoderConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        rope_type = config.rope_scaling["rope_type"] if config.rope_scaling else "default"
+        inv_freq = _INV_FREQ_BY_ROPE_TYPE[rope_type](config)
+        # Not persistent: derived from config, never read from or written to a checkpoint.
+        self.inv_freq: Tensor
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, positions_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos_TH, sin_TH) for each token's position, computed in fp32 and cast to the activation dtype."""
+        freqs_TH2 = positions_T[:, None].float() * self.inv_freq[None, :]
+        angles_TH = torch.cat((freqs_TH2, freqs_TH2), dim=-1)
+        return angles_TH.cos().to(dtype), angles_TH.sin().to(dtype)
+
+
+def apply_rope(x_TNH: Tensor, cos_TH: Tensor, sin_TH: Tensor) -> Tensor:
+    """Rotate each head's (first half, second half) pairs by the token's angles (HF's rotate_half layout)."""
+    half = x_TNH.shape[-1] // 2
+    rotated_TNH = torch.cat((-x_TNH[..., half:], x_TNH[..., :half]), dim=-1)
+    return x_TNH * cos_TH[:, None, :] + rotated_TNH * sin_TH[:, None, :]
+
+
+def packed_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: PackedSequences) -> Tensor:
+    """Causal softmax attention within each sequence of the pack, with GQA; returns out_TNH.
+
+    Semantics (the per-sequence loop this equals):
+        for start, end in consecutive pairs of packing.cu_seqlens_Q1:
+            out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end])
+    with kv head j serving query heads j*N/K ... (j+1)*N/K - 1 and scale 1/sqrt(H).
+
+    How: one SDPA call per distinct sequence length, that length's sequences stacked as its batch
+    (a zero-copy view when all lengths are equal), so scores cost O(sum of L^2) per head instead of a
+    (T, T) block-diagonal mask, and the Python loop runs over distinct lengths, not sequences.
+    """
+    num_heads, head_dim = q_TNH.shape[1:]
+    num_kv_heads = k_TKH.shape[1]
+    outputs = []
+    for group in packing.groups:
+        rows = (group.num_seqs, group.length)
+        if group.token_index_ML is None:
+            q_MLNH = q_TNH.view(*rows, num_heads, head_dim)
+            k_MLKH = k_TKH.view(*rows, num_kv_heads, head_dim)
+            v_MLKH = v_TKH.view(*rows, num_kv_heads, head_dim)
+        else:
+            index = group.token_index_ML.flatten()
+            q_MLNH = q_TNH.index_select(0, index).view(*rows, num_heads, head_dim)
+            k_MLKH = k_TKH.index_select(0, index).view(*rows, num_kv_heads, head_dim)
+            v_MLKH = v_TKH.index_select(0, index).view(*rows, num_kv_heads, head_dim)
+        out_MLNH = _causal_sdpa(q_MLNH, k_MLKH, v_MLKH)
+        outputs.append(out_MLNH.reshape(-1, num_heads, head_dim))
+    if packing.restore_index_T is None:
+        return outputs[0]
+    return torch.cat(outputs).index_select(0, packing.restore_index_T)
+
+
+def _causal_sdpa(q_MLNH: Tensor, k_MLKH: Tensor, v_MLKH: Tensor) -> Tensor:
+    """Causal SDPA over a batch of equal-length rows; softmax runs in fp32 inside SDPA for bf16 inputs."""
+    out_MNLH = F.scaled_dot_product_attention(
+        q_MLNH.transpose(1, 2),
+        k_MLKH.transpose(1, 2),
+        v_MLKH.transpose(1, 2),
+        is_causal=True,
+        enable_gqa=q_MLNH.shape[2] != k_MLKH.shape[2],
+    )
+    return out_MNLH.transpose(1, 2)

@@ -1,0 +1,182 @@
+"""One decoder for the Llama 3, Qwen2/2.5 and Qwen3 dense families, run over a packed token batch.
+
+What differs per family (each a DecoderConfig field, never a branch on the family's name):
+- q/k/v bias: Qwen2 always, without an o_proj bias; Llama and Qwen3 on all four when `attention_bias`.
+- q/k RMSNorm over each head before rope: Qwen3 (`qk_norm`).
+- head_dim may differ from hidden_size / num_attention_heads: Qwen3.
+- rope: Llama 3.1+ rescales low frequencies (`rope_scaling` of type llama3); Qwen uses plain rope.
+- MLP bias: Llama when `mlp_bias`.
+- lm_head tied to embed_tokens: any family, when `tie_word_embeddings`.
+Shared: pre-norm RMSNorm blocks, grouped-query attention, SwiGLU MLP, rope in HF's half-split layout.
+
+Module names follow HF's (`model.layers.0.self_attn.q_proj`, `lm_head`), so checkpoint keys and PEFT
+module paths are our own names. The base is frozen; LoRA slots attach to the MultiLoRALinear layers.
+Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
+
+Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from loraplex.model.attention import RotaryEmbedding, apply_rope, packed_attention
+from loraplex.model.config import DecoderConfig
+from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear
+from loraplex.model.packing import PackedSequences
+
+Device = torch.device | str | None
+
+# PEFT target name -> the `train_*` group of a slot that trains it.
+LORA_GROUPS = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "o_proj": "attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+    "lm_head": "unembed",
+}
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, normalised in fp32 whatever the activation dtype."""
+
+    def __init__(self, dim: int, eps: float, device: Device, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Cast back before the weight, as HF does, so bf16 results match it bit for bit.
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Project, (q/k norm), rotate, attend within each packed sequence, project back."""
+
+    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        D, H = config.hidden_size, config.head_dim
+        N, K = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.q_proj = MultiLoRALinear(D, N * H, config.qkv_bias, device, dtype)
+        self.k_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype)
+        self.v_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype)
+        self.o_proj = MultiLoRALinear(N * H, D, config.o_bias, device, dtype)
+        self.q_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        rope_TH: tuple[Tensor, Tensor],
+        packing: PackedSequences,
+        routing: LoRARouting | None,
+    ) -> Tensor:
+        T = x_TD.shape[0]
+        q_TNH = self.q_proj(x_TD, routing).view(T, self.num_heads, self.head_dim)
+        k_TKH = self.k_proj(x_TD, routing).view(T, self.num_kv_heads, self.head_dim)
+        v_TKH = self.v_proj(x_TD, routing).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
+        q_TNH, k_TKH = apply_rope(q_TNH, *rope_TH), apply_rope(k_TKH, *rope_TH)
+        out_TNH = packed_attention(q_TNH, k_TKH, v_TKH, packing)
+        return self.o_proj(out_TNH.reshape(T, self.num_heads * self.head_dim), routing)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        D, F = config.hidden_size, config.intermediate_size
+        self.gate_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype)
+        self.up_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype)
+        self.down_proj = MultiLoRALinear(F, D, config.mlp_bias, device, dtype)
+
+    def forward(self, x_TD: Tensor, routing: LoRARouting | None) -> Tensor:
+        hidden_TF = nn.functional.silu(self.gate_proj(x_TD, routing)) * self.up_proj(x_TD, routing)
+        return self.down_proj(hidden_TF, routing)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = MLP(config, device, dtype)
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        rope_TH: tuple[Tensor, Tensor],
+        packing: PackedSequences,
+        routing: LoRARouting | None,
+    ) -> Tensor:
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, packing, routing)
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD), routing)
+
+
+class Decoder(nn.Module):
+    """The frozen base model: embed, blocks, final norm; `lm_head` is applied separately, in chunks.
+
+    Weights are allocated uninitialised (load_decoder fills them); on the meta device it only
+    describes shapes. Activations take the weights' dtype.
+    """
+
+    def __init__(
+        self, config: DecoderConfig, device: Device = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.ModuleDict(
+            {
+                "embed_tokens": nn.utils.skip_init(
+                    nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
+                ),
+                "layers": nn.ModuleList(
+                    Block(config, device, dtype) for _ in range(config.num_hidden_layers)
+                ),
+                "norm": RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype),
+            }
+        )
+        self.rotary = RotaryEmbedding(config, device)
+        self.lm_head = MultiLoRALinear(config.hidden_size, config.vocab_size, False, device, dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Only slot tensors (held by reference, not registered here) are ever trained.
+        self.requires_grad_(False)
+
+    def forward(
+        self, tokens_T: Tensor, packing: PackedSequences, routing: LoRARouting | None = None
+    ) -> Tensor:
+        """Final-normed hidden states (T, D) of a packed batch; routing None = base model only."""
+        if tokens_T.shape[0] != packing.num_tokens:
+            raise ValueError(f"{tokens_T.shape[0]} tokens but the packing describes {packing.num_tokens}")
+        x_TD = self.model.embed_tokens(tokens_T)
+        rope_TH = self.rotary(packing.positions_T, x_TD.dtype)
+        for block in self.model.layers:
+            x_TD = block(x_TD, rope_TH, packing, routing)
+        return self.model.norm(x_TD)
+
+    def logits(
+        self, tokens_T: Tensor, packing: PackedSequences, routing: LoRARouting | None = None
+    ) -> Tensor:
+        """Full (T, V) logits in one go, for tests and small batches; the engine chunks `lm_head` itself."""
+        return self.lm_head(self.forward(tokens_T, packing, routing), routing)
+
+    def lora_targets(self) -> dict[str, tuple[MultiLoRALinear, str]]:
+        """PEFT module path -> (layer, group in {"attn", "mlp", "unembed"}), layers in forward order."""
+        return {
+            name: (module, LORA_GROUPS[name.rsplit(".", 1)[-1]])
+            for name, module in self.named_modules()
+            if isinstance(module, MultiLoRALinear)
+        }

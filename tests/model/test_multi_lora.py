@@ -1,0 +1,270 @@
+"""Multi-LoRA layers: the fused delta equals its per-token loop, and a packed mixed batch equals PEFT."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from loraplex.model.config import DecoderConfig
+from loraplex.model.decoder import Decoder
+from loraplex.model.hf_checkpoint import load_decoder
+from loraplex.model.multi_lora import (
+    LoRARouting,
+    MultiLoRALinear,
+    Segment,
+    SlotWeights,
+    add_lora_delta,
+    add_lora_delta_reference,
+    init_lora_pair,
+    init_slot_weights,
+)
+from loraplex.model.packing import PackedSequences
+
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+ALPHA = 32
+# slot -> (PEFT adapter name, rank, targets); slot 2 is a train_mlp=False slot.
+SLOTS = {
+    0: ("s0", 4, [*ATTN, *MLP, "lm_head"]),
+    1: ("s1", 8, [*ATTN, *MLP, "lm_head"]),
+    2: ("s2", 2, [*ATTN, "lm_head"]),
+}
+# Pack order: each slot's sequences contiguous, one base-only sequence in between.
+SEQUENCES = [(0, 6), (0, 4), (1, 9), (None, 5), (2, 7)]  # (slot, length)
+LENGTHS = tuple(length for _, length in SEQUENCES)
+TINY_SHAPES = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 128,
+    "tie_word_embeddings": False,
+}
+
+
+# ---- the delta op against its reference ----
+
+
+def random_slots(rank_by_slot: dict[int, int], in_features: int, out_features: int) -> dict[int, SlotWeights]:
+    return {
+        slot: SlotWeights(torch.randn(rank, in_features), torch.randn(out_features, rank), ALPHA / rank)
+        for slot, rank in rank_by_slot.items()
+    }
+
+
+LAYOUTS = {
+    "one_slot_everywhere": [Segment(0, 0, 10)],
+    "base_between_slots": [Segment(0, 0, 3), Segment(None, 3, 7), Segment(1, 7, 8), Segment(2, 8, 10)],
+    "unattached_slot_and_repeat": [Segment(9, 0, 4), Segment(1, 4, 6), Segment(0, 6, 7), Segment(1, 7, 10)],
+    "base_only": [Segment(None, 0, 10)],
+}
+
+
+@pytest.mark.parametrize("rank", [1, 8, 16])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_delta_equals_per_token_loop(rank: int, layout: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(rank)
+    slots = random_slots({0: rank, 1: max(1, rank // 2), 2: rank + 3}, in_features=12, out_features=20)
+    routing = LoRARouting(tuple(LAYOUTS[layout]))
+    x, y = torch.randn(10, 12, dtype=dtype), torch.randn(10, 20, dtype=dtype)
+    expected = add_lora_delta_reference(y, x, routing, slots)
+    # assert_close's per-dtype tolerances: fp32 rounding, or one bf16 ulp from the final cast.
+    torch.testing.assert_close(add_lora_delta(y, x, routing, slots), expected)
+
+
+def test_delta_reaches_only_its_segment_and_keeps_the_base_dtype() -> None:
+    slots = random_slots({0: 4}, in_features=6, out_features=5)
+    routing = LoRARouting((Segment(None, 0, 2), Segment(0, 2, 3), Segment(None, 3, 4)))
+    x, y = torch.randn(4, 6, dtype=torch.bfloat16), torch.randn(4, 5, dtype=torch.bfloat16)
+    out = add_lora_delta(y, x, routing, slots)
+    A, B, scale = slots[0]
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out[[0, 1, 3]], y[[0, 1, 3]])
+    torch.testing.assert_close(out[2], (y[2].float() + scale * B @ A @ x[2].float()).bfloat16())
+
+
+def test_routing_merges_neighbouring_sequences_of_a_slot_and_slices_renumbered() -> None:
+    routing = LoRARouting.from_sequences(LENGTHS, [slot for slot, _ in SEQUENCES])
+    assert routing.segments == (
+        Segment(0, 0, 10),
+        Segment(1, 10, 19),
+        Segment(None, 19, 24),
+        Segment(2, 24, 31),
+    )
+    assert routing.slice(8, 21).segments == (Segment(0, 0, 2), Segment(1, 2, 11), Segment(None, 11, 13))
+    assert routing.slice(5, 5).num_tokens == 0
+    with pytest.raises(ValueError, match="tile"):
+        LoRARouting((Segment(0, 0, 3), Segment(1, 4, 6)))
+
+
+def test_attach_keeps_references_and_rejects_wrong_shapes() -> None:
+    layer = MultiLoRALinear(6, 5, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    A, B = torch.randn(3, 6), torch.zeros(5, 3)
+    layer.attach(7, A, B, scale=2.0)
+    x, routing = torch.randn(4, 6), LoRARouting((Segment(7, 0, 4),))
+    torch.testing.assert_close(layer(x, routing), layer(x))
+    B.fill_(1.0)  # the slot pool updates its tensors in place; the layer must see it
+    torch.testing.assert_close(layer(x, routing), layer(x) + 2.0 * x @ A.t() @ B.t())
+    with pytest.raises(ValueError, match=r"A \(3, 5\)"):
+        layer.attach(8, torch.randn(3, 5), torch.zeros(5, 3), scale=1.0)
+    assert layer.has_slot(7) and not layer.has_slot(8)
+    layer.detach(7)
+    layer.detach(7)
+    assert not layer.has_slot(7)
+
+
+def test_init_lora_pair_matches_peft_kaiming_init() -> None:
+    """PEFT draws A with kaiming_uniform_(a=√5) from the global RNG; seeded alike, the values agree."""
+    A, B = init_lora_pair(in_features=24, out_features=10, rank=4, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(5)
+    expected = torch.nn.init.kaiming_uniform_(torch.empty(4, 24), a=math.sqrt(5))
+    assert torch.equal(A, expected) and A.abs().max() <= 1 / math.sqrt(24)
+    assert torch.equal(B, torch.zeros(10, 4))
+
+
+def test_initial_A_depends_on_seed_and_target_only_not_on_trained_groups() -> None:
+    config = DecoderConfig.from_hf({"architectures": ["Qwen3ForCausalLM"], **TINY_SHAPES})
+    targets = Decoder(config, device="meta").lora_targets()
+    everything = init_slot_weights(targets, rank=4, seed=11, groups={"attn", "mlp", "unembed"})
+    attn_only = init_slot_weights(targets, rank=4, seed=11, groups={"attn"})
+    other_seed = init_slot_weights(targets, rank=4, seed=12, groups={"attn"})
+    assert list(everything) == list(targets)
+    assert set(attn_only) == {name for name, (_, group) in targets.items() if group == "attn"}
+    name = "model.layers.1.self_attn.q_proj"
+    assert torch.equal(attn_only[name][0], everything[name][0])
+    assert not torch.equal(other_seed[name][0], attn_only[name][0])
+
+
+# ---- a packed mixed batch against PEFT ----
+
+
+@pytest.fixture(scope="module")
+def peft_and_decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[PeftModel, Decoder]:
+    """A tiny Qwen3 as PEFT with the adapters of SLOTS (random non-zero A and B), and as our Decoder."""
+    directory = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(
+        Qwen3Config(**TINY_SHAPES), attn_implementation="eager", dtype=torch.float32
+    )
+    hf_model.save_pretrained(directory)
+    peft_model = None
+    for adapter, rank, targets in SLOTS.values():
+        lora_config = LoraConfig(r=rank, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0)
+        if peft_model is None:
+            peft_model = get_peft_model(hf_model, lora_config, adapter_name=adapter)
+        else:
+            peft_model.add_adapter(adapter, lora_config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if ".lora_" in name:
+                parameter.normal_(0.0, 0.05)
+    return peft_model.eval(), load_decoder(directory)
+
+
+def attach_peft_adapters(
+    peft_model: PeftModel, decoder: Decoder
+) -> dict[int, dict[str, tuple[torch.Tensor, ...]]]:
+    """Copy each adapter's A and B into its slot as fresh leaf tensors that collect gradients."""
+    hf_root = peft_model.base_model.model
+    attached: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}
+    for slot, (adapter, rank, _) in SLOTS.items():
+        attached[slot] = {}
+        for name, (layer, _) in decoder.lora_targets().items():
+            module = hf_root.get_submodule(name)
+            if adapter not in module.lora_A:
+                continue
+            A = module.lora_A[adapter].weight.detach().clone().requires_grad_(True)
+            B = module.lora_B[adapter].weight.detach().clone().requires_grad_(True)
+            layer.attach(slot, A, B, ALPHA / rank)
+            attached[slot][name] = (A, B)
+    return attached
+
+
+def peft_logits(peft_model: PeftModel, slot: int | None, tokens: torch.Tensor) -> torch.Tensor:
+    """One sequence through PEFT with the slot's adapter active (adapters disabled for None)."""
+    if slot is None:
+        with peft_model.disable_adapter():
+            return peft_model(input_ids=tokens[None]).logits[0]
+    peft_model.set_adapter(SLOTS[slot][0])
+    return peft_model(input_ids=tokens[None]).logits[0]
+
+
+def packed_slot_logits(decoder: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    routing = LoRARouting.from_sequences(LENGTHS, [slot for slot, _ in SEQUENCES])
+    return decoder.logits(tokens, PackedSequences.from_lengths(LENGTHS), routing)
+
+
+def test_mixed_packed_batch_gives_each_sequence_its_peft_adapter_logits(
+    peft_and_decoder: tuple[PeftModel, Decoder],
+) -> None:
+    peft_model, decoder = peft_and_decoder
+    attach_peft_adapters(peft_model, decoder)
+    mlp_layer, _ = decoder.lora_targets()["model.layers.0.mlp.up_proj"]
+    assert mlp_layer.has_slot(0) and not mlp_layer.has_slot(2)  # slot 2 trains no MLP
+    tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
+    with torch.no_grad():
+        ours = packed_slot_logits(decoder, tokens)
+        for (slot, _), seq, ours_seq in zip(
+            SEQUENCES, tokens.split(LENGTHS), ours.split(LENGTHS), strict=True
+        ):
+            expected = peft_logits(peft_model, slot, seq)
+            assert (ours_seq - expected).abs().max() < 1e-4
+            if slot is not None:  # the adapters change the logits, so the comparison means something
+                assert (expected - peft_logits(peft_model, None, seq)).abs().max() > 1e-2
+
+
+def test_slot_gradients_from_a_mixed_batch_equal_peft_on_that_slots_sequences(
+    peft_and_decoder: tuple[PeftModel, Decoder],
+) -> None:
+    peft_model, decoder = peft_and_decoder
+    attached = attach_peft_adapters(peft_model, decoder)
+    tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
+    loss_weights = torch.randn(sum(LENGTHS), TINY_SHAPES["vocab_size"])
+    (loss_weights * packed_slot_logits(decoder, tokens)).sum().backward()
+
+    hf_root = peft_model.base_model.model
+    for slot, (adapter, _, _) in SLOTS.items():
+        peft_model.zero_grad(set_to_none=True)
+        reference_loss = sum(
+            (w * peft_logits(peft_model, slot, seq)).sum()
+            for (seq_slot, _), seq, w in zip(
+                SEQUENCES, tokens.split(LENGTHS), loss_weights.split(LENGTHS), strict=True
+            )
+            if seq_slot == slot
+        )
+        reference_loss.backward()
+        for name, (A, B) in attached[slot].items():
+            module = hf_root.get_submodule(name)
+            for ours, expected in (
+                (A.grad, module.lora_A[adapter].weight.grad),
+                (B.grad, module.lora_B[adapter].weight.grad),
+            ):
+                assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert all(parameter.grad is None and not parameter.requires_grad for parameter in decoder.parameters())
+
+
+def test_a_loss_on_one_slots_tokens_gives_other_slots_no_gradient(
+    peft_and_decoder: tuple[PeftModel, Decoder],
+) -> None:
+    peft_model, decoder = peft_and_decoder
+    attached = attach_peft_adapters(peft_model, decoder)
+    tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
+    logits = packed_slot_logits(decoder, tokens)
+    start, end = 10, 19  # slot 1's only sequence
+    assert SEQUENCES[2] == (1, end - start)
+    logits[start:end].sum().backward()
+    for slot, tensors in attached.items():
+        grads = [tensor.grad for pair in tensors.values() for tensor in pair]
+        if slot == 1:
+            assert all(grad is not None and grad.abs().max() > 0 for grad in grads)
+        else:
+            assert all(grad is None or not grad.any() for grad in grads)
