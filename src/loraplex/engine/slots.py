@@ -1,0 +1,171 @@
+"""The slot pool: every live adapter's tensors, gradient accumulators and AdamW state, by slot id.
+
+A slot stores one A (R, in) and B (out, R) per targeted linear layer at its own rank (never padded),
+named as PEFT names them (`<module path>.lora_A.weight` / `.lora_B.weight`), and attaches them by
+reference to the decoder's `MultiLoRALinear` layers. Freeing a slot detaches and drops everything.
+No HTTP, no SQL; knows nothing of runs or tenants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from loraplex.engine.optimizer import AdamSlot, step_slots
+from loraplex.engine.types import AdamParams, LoraConfig
+from loraplex.errors import CapacityError, NotFoundError, UserError
+from loraplex.model.decoder import Decoder
+from loraplex.model.multi_lora import MultiLoRALinear, init_slot_weights
+
+# LoraConfig flag -> the `Decoder.lora_targets()` group it switches on.
+TARGET_GROUPS = {"train_attn": "attn", "train_mlp": "mlp", "train_unembed": "unembed"}
+
+
+def lora_names(module_path: str) -> tuple[str, str]:
+    """The PEFT names of a target's A and B tensors."""
+    return f"{module_path}.lora_A.weight", f"{module_path}.lora_B.weight"
+
+
+class OptimizerState(NamedTuple):
+    """A slot's AdamW state keyed by weight name, as checkpoints store it."""
+
+    exp_avg: Mapping[str, Tensor]  # first moments, shaped like the weights
+    exp_avg_sq: Mapping[str, Tensor]  # second moments
+    step: int  # AdamW steps taken
+
+
+@dataclass
+class Slot:
+    """One live adapter: its config, its tensors by PEFT name, and the same tensors' AdamW state.
+
+    `weights` and `adam.params` hold the same tensor objects in the same order.
+    """
+
+    config: LoraConfig
+    weights: dict[str, Tensor]  # "<path>.lora_A.weight" (R, in) and "<path>.lora_B.weight" (out, R), fp32
+    adam: AdamSlot
+
+    @property
+    def scale(self) -> float:
+        """The LoRA scale alpha / rank."""
+        return self.config.alpha / self.config.rank
+
+    def optimizer_state(self) -> OptimizerState:
+        """The slot's AdamW state by weight name (the live tensors, not copies)."""
+        return OptimizerState(
+            dict(zip(self.weights, self.adam.exp_avg, strict=True)),
+            dict(zip(self.weights, self.adam.exp_avg_sq, strict=True)),
+            self.adam.step,
+        )
+
+    @torch.no_grad()
+    def assign(self, weights: Mapping[str, Tensor], optimizer: OptimizerState | None) -> None:
+        """Overwrite in place from checked tensors of the same names and shapes; optimizer None resets
+        AdamW (zero moments, step 0). Gradient accumulators are zeroed."""
+        for name, param in self.weights.items():
+            param.copy_(weights[name])
+            param.grad.zero_()
+        if optimizer is None:
+            torch._foreach_zero_(self.adam.exp_avg + self.adam.exp_avg_sq)
+            self.adam.step = 0
+            return
+        for name, m, v in zip(self.weights, self.adam.exp_avg, self.adam.exp_avg_sq, strict=True):
+            m.copy_(optimizer.exp_avg[name])
+            v.copy_(optimizer.exp_avg_sq[name])
+        self.adam.step = optimizer.step
+
+
+class SlotPool:
+    """Up to `max_slots` adapters of rank 1..`max_rank` attached to one decoder; ids 0..max_slots-1."""
+
+    def __init__(self, decoder: Decoder, max_slots: int, max_rank: int) -> None:
+        self.targets: dict[str, tuple[MultiLoRALinear, str]] = decoder.lora_targets()
+        self.max_slots = max_slots
+        self.max_rank = max_rank
+        self.device = next(iter(self.targets.values()))[0].weight.device
+        self._slots: dict[int, Slot] = {}
+
+    def expected_shapes(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
+        """PEFT name -> shape of every tensor a slot of `config` holds; UserError if it is not servable."""
+        rank = config.rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
+            raise UserError(
+                f"lora rank {rank!r} is not allowed; this server supports ranks 1..{self.max_rank}"
+            )
+        alpha = config.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
+            raise UserError(f"lora alpha {alpha!r} is not allowed; it must be a positive number")
+        groups = self._groups(config)
+        if not groups:
+            raise UserError(
+                f"a LoRA config must train at least one of {', '.join(TARGET_GROUPS)}; all are false"
+            )
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path, (layer, group) in self.targets.items():
+            if group in groups:
+                name_A, name_B = lora_names(path)
+                shapes[name_A] = (rank, layer.in_features)
+                shapes[name_B] = (layer.out_features, rank)
+        return shapes
+
+    def create(self, config: LoraConfig) -> int:
+        """Allocate a fresh slot (A seeded from config.seed, B zero, zero gradients, no AdamW steps)."""
+        self.expected_shapes(config)
+        free_ids = [i for i in range(self.max_slots) if i not in self._slots]
+        if not free_ids:
+            raise CapacityError(
+                f"all {self.max_slots} adapter slots are in use; retry after a training run ends or its "
+                "session expires"
+            )
+        slot = free_ids[0]
+        initial = init_slot_weights(self.targets, config.rank, config.seed, self._groups(config))
+        weights: dict[str, Tensor] = {}
+        for path, (A_RI, B_OR) in initial.items():
+            name_A, name_B = lora_names(path)
+            weights[name_A] = A_RI.to(self.device).requires_grad_()
+            weights[name_B] = B_OR.to(self.device).requires_grad_()
+        record = Slot(config, weights, AdamSlot.fresh(list(weights.values())))
+        for path in initial:
+            name_A, name_B = lora_names(path)
+            self.targets[path][0].attach(slot, weights[name_A], weights[name_B], record.scale)
+        self._slots[slot] = record
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Detach the slot from every layer and drop its tensors and state; the id may be reused."""
+        self.get(slot)
+        for layer, _ in self.targets.values():
+            layer.detach(slot)
+        del self._slots[slot]
+
+    def get(self, slot: int) -> Slot:
+        """The live slot `slot`; NotFoundError if no slot of that id is in use."""
+        record = self._slots.get(slot)
+        if record is None:
+            raise NotFoundError(f"adapter slot {slot} is not in use")
+        return record
+
+    def has_slot(self, slot: int) -> bool:
+        """Whether `slot` is in use."""
+        return slot in self._slots
+
+    @property
+    def live_slots(self) -> list[int]:
+        """Ids of the slots in use, ascending."""
+        return sorted(self._slots)
+
+    def step(self, steps: Mapping[int, AdamParams]) -> dict[int, dict[str, float]]:
+        """One fused AdamW step of the given slots (see `step_slots`); every id is checked before any step."""
+        records = {slot: self.get(slot) for slot in steps}
+        metrics = step_slots([(records[slot].adam, params) for slot, params in steps.items()])
+        return dict(zip(steps, metrics, strict=True))
+
+    @staticmethod
+    def _groups(config: LoraConfig) -> set[str]:
+        """The target groups a config trains."""
+        return {group for flag, group in TARGET_GROUPS.items() if getattr(config, flag)}

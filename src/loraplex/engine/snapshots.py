@@ -1,0 +1,142 @@
+"""Snapshots: immutable copies of a slot's weights in PEFT format, and the reader the sampler uses.
+
+A snapshot directory is what `peft.PeftModel.from_pretrained` (and vLLM) load:
+    adapter_model.safetensors  base_model.model.<module path>.lora_A.weight (R, in), .lora_B.weight (out, R)
+    adapter_config.json        peft_type LORA, r, lora_alpha, target_modules (leaf names), base model, ...
+Written atomically like checkpoints, from the slot's values at save time, so later training never
+changes a snapshot. No HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+from torch import Tensor
+
+from loraplex.engine.checkpoints import write_directory_atomically
+from loraplex.engine.slots import TARGET_GROUPS, SlotPool, lora_names
+from loraplex.engine.types import LoraConfig
+from loraplex.errors import UserError
+from loraplex.model.multi_lora import MultiLoRALinear
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+# PeftModel wraps the causal LM as `base_model.model`, so PEFT keys carry this before our module paths.
+PEFT_PREFIX = "base_model.model."
+_LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A snapshot read back: its adapter shape and weights keyed by module path."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]  # leaf names, as in adapter_config.json
+    base_model_name: str
+    pairs: dict[str, tuple[Tensor, Tensor]]  # module path -> (A_RI, B_OR), fp32 on CPU
+
+    @property
+    def scale(self) -> float:
+        """The LoRA scale alpha / rank."""
+        return self.alpha / self.rank
+
+
+def save_snapshot(pool: SlotPool, slot: int, directory: Path, base_model_name: str) -> int:
+    """Write a PEFT-format copy of the slot's weights to `directory` atomically; return bytes written."""
+    record = pool.get(slot)
+    tensors = {PEFT_PREFIX + name: t.detach().cpu() for name, t in record.weights.items()}
+    paths = [name.rsplit(".lora_", 1)[0] for name in record.weights]
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name,
+        "r": record.config.rank,
+        "lora_alpha": record.config.alpha,
+        "target_modules": sorted({path.rsplit(".", 1)[-1] for path in paths}),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+    }
+
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
+
+    return write_directory_atomically(Path(directory), write)
+
+
+def load_snapshot(directory: Path) -> Snapshot:
+    """Read a snapshot back into CPU tensors, checking that every A has its B at rank r."""
+    directory = Path(directory)
+    where = f"snapshot {directory.name}"
+    config = _read_adapter_config(directory)
+    try:
+        tensors = safetensors.torch.load_file(directory / WEIGHTS_FILE)
+    except (OSError, safetensors.SafetensorError) as error:
+        raise UserError(f"{where}: {WEIGHTS_FILE} is missing or unreadable: {error}") from None
+    rank = config["r"]
+    unexpected = [k for k in tensors if not (k.startswith(PEFT_PREFIX) and k.endswith(_LORA_SUFFIXES))]
+    if unexpected:
+        raise UserError(f"{where}: unexpected tensors {sorted(unexpected)}")
+    pairs: dict[str, tuple[Tensor, Tensor]] = {}
+    for path in sorted({key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for key in tensors}):
+        name_A, name_B = (PEFT_PREFIX + name for name in lora_names(path))
+        if name_A not in tensors or name_B not in tensors:
+            raise UserError(f"{where}: {path} has only one of lora_A and lora_B")
+        A_RI, B_OR = tensors[name_A], tensors[name_B]
+        if A_RI.dim() != 2 or B_OR.dim() != 2 or A_RI.shape[0] != rank or B_OR.shape[1] != rank:
+            raise UserError(
+                f"{where}: {path} has lora_A {tuple(A_RI.shape)} and lora_B {tuple(B_OR.shape)}; "
+                f"expected (r, in) and (out, r) with r = {rank}"
+            )
+        pairs[path] = (A_RI.float(), B_OR.float())
+    return Snapshot(
+        rank=rank,
+        alpha=float(config["lora_alpha"]),
+        target_modules=tuple(config["target_modules"]),
+        base_model_name=config.get("base_model_name_or_path") or "",
+        pairs=pairs,
+    )
+
+
+def read_snapshot_config(directory: Path, targets: dict[str, tuple[MultiLoRALinear, str]]) -> LoraConfig:
+    """The LoraConfig a snapshot describes (its seed is not stored: 0); `targets` maps leaves to groups."""
+    config = _read_adapter_config(Path(directory))
+    group_of = {path.rsplit(".", 1)[-1]: group for path, (_, group) in targets.items()}
+    unknown = sorted(set(config["target_modules"]) - set(group_of))
+    if unknown:
+        raise UserError(f"snapshot {Path(directory).name} targets modules this model lacks: {unknown}")
+    groups = {group_of[leaf] for leaf in config["target_modules"]}
+    flags = {flag: group in groups for flag, group in TARGET_GROUPS.items()}
+    return LoraConfig(rank=config["r"], alpha=float(config["lora_alpha"]), **flags)
+
+
+def _read_adapter_config(directory: Path) -> dict[str, Any]:
+    """adapter_config.json, checked to be a LoRA config with an integer r, lora_alpha and target list."""
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise UserError(f"snapshot {directory.name} is incomplete: it has no {CONFIG_FILE}") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"snapshot {directory.name} has an unreadable {CONFIG_FILE}: {error}") from None
+    if (
+        not isinstance(config, dict)
+        or config.get("peft_type") != "LORA"
+        or not isinstance(config.get("r"), int)
+        or config["r"] < 1
+        or not isinstance(config.get("lora_alpha"), int | float)
+        or not isinstance(config.get("target_modules"), list)
+    ):
+        raise UserError(
+            f"snapshot {directory.name}: {CONFIG_FILE} is not a LoRA config with r, lora_alpha, targets"
+        )
+    return config

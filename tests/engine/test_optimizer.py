@@ -1,0 +1,156 @@
+"""The fused multi-slot AdamW equals torch.optim.AdamW + clip_grad_norm_ run per slot (DESIGN.md §2)."""
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from loraplex.engine.optimizer import AdamSlot, step_slots, step_slots_reference
+from loraplex.engine.types import AdamParams
+
+RANKS = [1, 2, 4, 8, 3]
+# (in_features, out_features) of each target: every slot has three, so six tensors.
+TARGETS = [(16, 16), (16, 8), (8, 24)]
+HPARAMS = [
+    AdamParams(learning_rate=1e-2),
+    AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.99, eps=1e-8, weight_decay=0.1, grad_clip_norm=0.5),
+    AdamParams(learning_rate=1e-3, beta2=0.999, eps=1e-6, weight_decay=0.01, grad_clip_norm=1e3),
+    AdamParams(learning_rate=5e-2, beta1=0.5, beta2=0.9, grad_clip_norm=1.0),
+    AdamParams(learning_rate=2e-2, beta1=0.95, eps=1e-10, weight_decay=0.5),
+]
+
+
+def _make_slots() -> list[AdamSlot]:
+    gen = torch.Generator().manual_seed(0)
+    slots = []
+    for rank in RANKS:
+        params = []
+        for fan_in, fan_out in TARGETS:
+            params.append(torch.randn(rank, fan_in, generator=gen).requires_grad_())  # A_RI
+            params.append(torch.randn(fan_out, rank, generator=gen).requires_grad_())  # B_OR
+        slots.append(AdamSlot.fresh(params))
+    return slots
+
+
+def _grads(step: int, index: int, slot: AdamSlot) -> list[torch.Tensor]:
+    """Deterministic gradients; slot 1 and 3 are large so their clipping is active."""
+    gen = torch.Generator().manual_seed(100 * step + index)
+    scale = 5.0 if index in (1, 3) else 0.3
+    return [scale * torch.randn(p.shape, generator=gen) for p in slot.params]
+
+
+def _accumulate(slot: AdamSlot, grads: list[torch.Tensor]) -> None:
+    for acc, g in zip(slot.grads, grads, strict=True):
+        acc.add_(g)
+
+
+def _lr(index: int, step: int) -> float:
+    """A per-step schedule, so the learning rate changes between calls."""
+    return HPARAMS[index].learning_rate * (1.0 + step) / 3.0
+
+
+@pytest.mark.parametrize("step_fn", [step_slots, step_slots_reference], ids=["fused", "reference"])
+def test_step_equals_torch_adamw_and_clip_per_slot(step_fn):
+    """5 slots, different ranks and AdamParams, 3 steps, lr changing, clipping on slots 1 and 3,
+    a NaN gradient on slot 3 at step 1 (skipped, grads cleared, others unaffected)."""
+    slots = _make_slots()
+    oracle_params = [[p.detach().clone().requires_grad_() for p in slot.params] for slot in slots]
+    oracles = [
+        torch.optim.AdamW(
+            ps, lr=hp.learning_rate, betas=(hp.beta1, hp.beta2), eps=hp.eps, weight_decay=hp.weight_decay
+        )
+        for ps, hp in zip(oracle_params, HPARAMS, strict=True)
+    ]
+    for step in range(3):
+        steps = []
+        for i, slot in enumerate(slots):
+            grads = _grads(step, i, slot)
+            if (step, i) == (1, 3):
+                grads[2][0, 0] = math.nan
+            _accumulate(slot, grads)
+            for p, g in zip(oracle_params[i], grads, strict=True):
+                p.grad = g.clone()
+            hp = replace(HPARAMS[i], learning_rate=_lr(i, step))
+            steps.append((slot, hp))
+
+        metrics = step_fn(steps)
+
+        for i, slot in enumerate(slots):
+            expected_norm = torch.nn.utils.get_total_norm([p.grad for p in oracle_params[i]])
+            assert metrics[i]["grad_norm"] == pytest.approx(expected_norm.item(), rel=1e-6, nan_ok=True)
+            assert metrics[i]["learning_rate"] == _lr(i, step)
+            if (step, i) == (1, 3):
+                assert metrics[i]["skipped_nonfinite"] == 1.0
+            else:
+                assert "skipped_nonfinite" not in metrics[i]
+                if HPARAMS[i].grad_clip_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(oracle_params[i], HPARAMS[i].grad_clip_norm)
+                oracles[i].param_groups[0]["lr"] = _lr(i, step)
+                oracles[i].step()
+            for p, m, v, expected in zip(
+                slot.params, slot.exp_avg, slot.exp_avg_sq, oracle_params[i], strict=True
+            ):
+                state = oracles[i].state[expected]
+                torch.testing.assert_close(p, expected, rtol=1e-6, atol=0)
+                torch.testing.assert_close(m, state["exp_avg"], rtol=1e-6, atol=0)
+                torch.testing.assert_close(v, state["exp_avg_sq"], rtol=1e-6, atol=0)
+                assert slot.step == int(state["step"].item())
+            assert all(torch.count_nonzero(g) == 0 for g in slot.grads)
+    assert [slot.step for slot in slots] == [3, 3, 3, 2, 3]
+
+
+def test_clipping_is_active_where_configured():
+    """The fixture really clips slots 1 and 3 (pre-clip norm above the limit) and not slot 2."""
+    slots = _make_slots()
+    norms = [torch.nn.utils.get_total_norm(_grads(0, i, s)).item() for i, s in enumerate(slots)]
+    assert norms[1] > HPARAMS[1].grad_clip_norm and norms[3] > HPARAMS[3].grad_clip_norm
+    assert norms[2] < HPARAMS[2].grad_clip_norm
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nonfinite_norm_skips_the_slot_and_clears_its_gradients(bad):
+    slots = _make_slots()[:2]
+    for i, slot in enumerate(slots):
+        _accumulate(slot, _grads(0, i, slot))
+    step_slots([(slot, HPARAMS[i]) for i, slot in enumerate(slots)])
+    before = copy.deepcopy(slots[0])
+    for i, slot in enumerate(slots):
+        _accumulate(slot, _grads(1, i, slot))
+    slots[0].grads[1][0, 0] = bad
+
+    metrics = step_slots([(slot, HPARAMS[i]) for i, slot in enumerate(slots)])
+
+    assert metrics[0]["skipped_nonfinite"] == 1.0 and not math.isfinite(metrics[0]["grad_norm"])
+    assert "skipped_nonfinite" not in metrics[1] and slots[1].step == 2
+    assert slots[0].step == before.step == 1
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        assert all(
+            torch.equal(a, b) for a, b in zip(getattr(slots[0], name), getattr(before, name), strict=True)
+        )
+    assert all(torch.count_nonzero(g) == 0 for slot in slots for g in slot.grads)
+
+
+def test_weight_decay_of_one_slot_never_moves_a_slot_not_stepped():
+    """Slot 1 steps with strong weight decay; slot 2, left out of the call, stays bit-identical."""
+    slots = _make_slots()
+    for i in (1, 2):
+        _accumulate(slots[i], _grads(0, i, slots[i]))
+    step_slots([(slots[1], HPARAMS[1]), (slots[2], HPARAMS[2])])
+    _accumulate(slots[2], _grads(1, 2, slots[2]))
+    before = copy.deepcopy(slots[2])
+    params_1 = [p.detach().clone() for p in slots[1].params]
+
+    step_slots([(slots[1], replace(HPARAMS[1], weight_decay=0.9))])
+
+    assert not any(torch.equal(a, b) for a, b in zip(slots[1].params, params_1, strict=True))
+    assert slots[2].step == before.step == 1
+    for name in ("params", "exp_avg", "exp_avg_sq", "grads"):
+        assert all(
+            torch.equal(a, b) for a, b in zip(getattr(slots[2], name), getattr(before, name), strict=True)
+        )
+
+
+def test_empty_step_returns_no_metrics():
+    assert step_slots([]) == []
