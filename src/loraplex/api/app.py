@@ -1,0 +1,55 @@
+"""The FastAPI application: routes, and the one place exception classes become HTTP status codes.
+
+Knows nothing of tensors or the database; it talks only to the runtime's TrainingService.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from loraplex.api.routes import futures, rest, sampling, service, training
+from loraplex.errors import CapacityError, LoraplexError
+from loraplex.runtime.service import TrainingService
+
+log = logging.getLogger(__name__)
+
+
+def status_of(error: LoraplexError) -> int:
+    """HTTP status of an error: a UserError carries its 4xx; capacity is 503 (retried); else 500."""
+    if isinstance(error, CapacityError):
+        return 503
+    return getattr(error, "status_code", 500)
+
+
+async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, LoraplexError)
+    status = status_of(error)
+    if status >= 500:
+        log.error("server error: %r", error)
+    # x-should-retry tells the SDK's HTTP layer not to retry a permanent (4xx) error.
+    headers = {"x-should-retry": "false"} if status < 500 else {}
+    return JSONResponse({"detail": str(error)}, status_code=status, headers=headers)
+
+
+def create_app(training_service: TrainingService) -> FastAPI:
+    """The app over a (not yet started) service; the app's lifespan starts and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        training_service.start()
+        try:
+            yield
+        finally:
+            training_service.stop()
+
+    app = FastAPI(title="loraplex", lifespan=lifespan)
+    app.state.service = training_service
+    app.add_exception_handler(LoraplexError, _loraplex_error)
+    for module in (service, training, futures, sampling, rest):
+        app.include_router(module.router, prefix="/api/v1")
+    return app

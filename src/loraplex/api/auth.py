@@ -1,0 +1,26 @@
+"""Authentication: the X-API-Key header (the SDK sends no Bearer token) resolved to a tenant per request.
+
+Knows no key storage; the runtime's TenantResolver does. No tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from loraplex.runtime.service import TrainingService
+
+
+def service_of(request: Request) -> TrainingService:
+    """The TrainingService this app serves."""
+    return request.app.state.service
+
+
+def current_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
+    """The caller's tenant (AuthenticationError, hence 401, for a missing or unknown key)."""
+    return service_of(request).tenants.tenant_for(x_api_key)
+
+
+Service = Annotated[TrainingService, Depends(service_of)]
+Tenant = Annotated[str, Depends(current_tenant)]

@@ -1,0 +1,172 @@
+"""Protobuf codecs of forward_backward: request bytes (maybe zstd) -> Pass command; PassResult -> proto bytes.
+
+Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
+buffers. numpy only, no tensors; shape checks against the model are the engine's (validate_pass_request).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from loraplex.errors import UserError
+from loraplex.runtime.commands import DatumInput, Pass, PassResult
+
+MAX_BODY_BYTES = 512 * 1024 * 1024  # after decompression; the SDK sends one datum alone if it is larger
+
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+}
+_PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
+
+
+class PayloadTooLargeError(UserError):
+    """The request body exceeds what the server accepts (413)."""
+
+    status_code = 413
+
+
+def decompress(body: bytes, content_encoding: str | None) -> bytes:
+    """Undo Content-Encoding: zstd (bounded, so a small bomb cannot expand without limit)."""
+    if not content_encoding or content_encoding == "identity":
+        return body
+    if content_encoding != "zstd":
+        raise UserError(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            data = reader.read(MAX_BODY_BYTES + 1)
+    except zstandard.ZstdError as exc:
+        raise UserError(f"corrupt zstd body: {exc}") from exc
+    if len(data) > MAX_BODY_BYTES:
+        raise PayloadTooLargeError(f"decompressed body exceeds {MAX_BODY_BYTES} bytes")
+    return data
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, Pass]:
+    """Parse a ForwardBackwardRequest into (model_id, seq_id, Pass)."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as exc:
+        raise UserError(f"body is not a tinker_public.ForwardBackwardRequest protobuf: {exc}") from exc
+    datums = [_datum(i, d) for i, d in enumerate(msg.data)]
+    return msg.model_id, msg.seq_id, Pass(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
+
+
+def _loss_config(msg: Any) -> dict[str, float]:
+    if not msg.loss_fn_config_v2:
+        return dict(msg.loss_fn_config)
+    config = {}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") != "number":
+            raise UserError(
+                f"loss_fn_config[{key!r}] must be a number (server-side custom losses are not supported)"
+            )
+        config[key] = value.number
+    return config
+
+
+def _datum(index: int, datum: Any) -> DatumInput:
+    pieces = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserError(f"datum {index}: {kind} chunks are not supported; send encoded_text tokens")
+        pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+    tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+    inputs = {
+        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t) for key, t in datum.loss_fn_inputs.items()
+    }
+    return DatumInput(tokens, inputs)
+
+
+def _tensor(where: str, msg: Any) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise UserError(f"{where}: unsupported dtype {pb.DType.Name(msg.dtype)}; use float32 or int64")
+    if msg.HasField("sparse_csr"):
+        return _densify(where, msg, dtype)
+    data = _frombuffer(where, msg.dense, dtype)
+    shape = list(msg.shape) or [data.size]
+    if int(np.prod(shape)) != data.size:
+        raise UserError(f"{where}: shape {shape} does not match its {data.size} values")
+    return data.reshape(shape)
+
+
+def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
+    """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0."""
+    shape = list(msg.shape)
+    values = _frombuffer(where, msg.sparse_csr.values, dtype)
+    crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
+    cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
+    if (
+        len(shape) != 2
+        or len(crow) != shape[0] + 1
+        or len(cols) != len(values)
+        or (len(crow) and crow[-1] != len(values))
+    ):
+        raise UserError(f"{where}: inconsistent sparse CSR tensor of shape {shape}")
+    if (len(cols) and (cols.min() < 0 or cols.max() >= shape[1])) or np.any(np.diff(crow) < 0):
+        raise UserError(f"{where}: sparse CSR indices out of range for shape {shape}")
+    dense = np.zeros(shape, dtype)
+    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+    dense[rows, cols] = values
+    return dense
+
+
+def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
+
+
+def encode_forward_backward_output(result: PassResult) -> bytes:
+    """A ForwardBackwardOutput: one ArrayRecord per run of datums whose fields share trailing shapes."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
+    groups: list[list[dict[str, np.ndarray]]] = []
+    for output in result.outputs:
+        if groups and _layout(groups[-1][0]) == _layout(output):
+            groups[-1].append(output)
+        else:
+            groups.append([output])
+    for group in groups:
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(group))
+        for name in group[0]:
+            arrays = [_wire_array(out[name]) for out in group]
+            field = record.fields[name]
+            field.data = b"".join(a.tobytes() for a in arrays)
+            field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64).tobytes()
+            field.dtype = _PROTO_DTYPES[arrays[0].dtype]
+            field.trailing_shape.extend(arrays[0].shape[1:])
+    return msg.SerializeToString()
+
+
+def _wire_array(array: np.ndarray) -> np.ndarray:
+    """Floats go out as float32 and integers as int64, the public wire dtypes."""
+    return np.ascontiguousarray(array, dtype=np.float32 if array.dtype.kind == "f" else np.int64)
+
+
+def _layout(output: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(output.items()))
+
+
+def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
+    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl)."""
+    outputs = [
+        {
+            k: {
+                "data": v.ravel().tolist(),
+                "dtype": "int64" if v.dtype.kind == "i" else "float32",
+                "shape": list(v.shape),
+            }
+            for k, v in out.items()
+        }
+        for out in result.outputs
+    ]
+    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": result.metrics}

@@ -1,0 +1,60 @@
+"""REST routes of RestClient: training runs, checkpoints (list, delete), weights_info. All owner-checked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from loraplex.api.auth import Service, Tenant
+from loraplex.api.wire import WeightsInfoRequest, checkpoint_json, lora_info_json, training_run_json
+from loraplex.runtime.checkpoints import CheckpointPath
+
+router = APIRouter()
+
+
+@router.get("/training_runs")
+async def list_runs(
+    service: Service, tenant: Tenant, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0)
+) -> dict[str, Any]:
+    runs, total = service.catalog.runs(tenant, limit, offset)
+    cursor = {"offset": offset, "limit": limit, "total_count": total}
+    return {"training_runs": [training_run_json(r) for r in runs], "cursor": cursor}
+
+
+@router.get("/training_runs/{run_id}")
+async def get_run(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
+    return training_run_json(service.catalog.run(tenant, run_id))
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_run_checkpoints(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
+    return {
+        "checkpoints": [checkpoint_json(c) for c in service.catalog.checkpoints(tenant, run_id)],
+        "cursor": None,
+    }
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(
+    run_id: str, checkpoint_id: str, service: Service, tenant: Tenant
+) -> dict[str, str]:
+    service.catalog.delete_checkpoint(tenant, CheckpointPath.parse(f"tinker://{run_id}/{checkpoint_id}"))
+    return {"status": "deleted"}
+
+
+@router.get("/checkpoints")
+async def list_checkpoints(
+    service: Service, tenant: Tenant, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0)
+) -> dict[str, Any]:
+    views, total = service.catalog.tenant_checkpoints(tenant, limit, offset)
+    cursor = {"offset": offset, "limit": limit, "total_count": total}
+    return {"checkpoints": [checkpoint_json(c) for c in views], "cursor": cursor}
+
+
+@router.post("/weights_info")
+async def weights_info(body: WeightsInfoRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    path = CheckpointPath.parse(body.tinker_path)
+    service.catalog.checkpoint(tenant, path)
+    run = service.catalog.run(tenant, path.run_id)
+    return {"base_model": run.base_model, **lora_info_json(run.lora_config)}

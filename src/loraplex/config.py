@@ -1,0 +1,59 @@
+"""Server configuration: one pydantic model whose field descriptions double as `loraplex serve --help`.
+
+Knows nothing of how the values are used; the CLI builds its options from these fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ServerConfig(BaseModel):
+    """Everything `loraplex serve` can be told; a typo in a key fails (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- model and device
+    model: str = Field("tiny", description="Base model: 'tiny' (built-in) or an HF model directory.")
+    model_name: str | None = Field(
+        None, description="Name reported to clients (get_info); default: the engine's own model name."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Compute device; auto = cuda if present."
+    )
+    max_slots: int = Field(8, ge=1, description="Adapters (training runs) resident at once.")
+    max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
+
+    # --- network and auth
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    auth: Literal["none", "keys"] = Field(
+        "none", description="none: every key is the one local tenant; keys: only keys from `loraplex keys`."
+    )
+
+    # --- storage
+    data_dir: Path = Field(Path("./loraplex-data"), description="Checkpoints, snapshots and the SQLite file.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL (e.g. postgresql+psycopg://...); default: SQLite in the data dir."
+    )
+
+    # --- request limits (each rejected request fails alone, as a user error)
+    max_datums_per_request: int = Field(4096, ge=1, description="Datums in one forward_backward request.")
+    max_tokens_per_datum: int = Field(32768, ge=1, description="Tokens in one datum.")
+    max_tokens_per_request: int = Field(
+        1_000_000, ge=1, description="Tokens in one forward_backward request."
+    )
+
+    # --- scheduling and leases
+    pass_token_budget: int = Field(16384, ge=1, description="Tokens packed into one engine pass (soft cap).")
+    long_poll_s: float = Field(30.0, gt=0, description="How long retrieve_future holds before try_again.")
+    session_timeout_s: float = Field(
+        300.0, gt=0, description="Heartbeat silence after which a session's runs are parked to disk."
+    )
+
+    def resolved_database_url(self) -> str:
+        """The database URL in use: the given one, else a SQLite file in the data directory."""
+        return self.database_url or f"sqlite:///{(self.data_dir / 'loraplex.db').resolve()}"

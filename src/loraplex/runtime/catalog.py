@@ -1,0 +1,137 @@
+"""The catalog: read views of runs, checkpoints and samplers, each behind its owner check.
+
+Another tenant's object answers exactly like a missing one (NotFoundError), so ids leak nothing.
+Views are plain dataclasses so the API never sees database rows. No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from loraplex.engine.types import LoraConfig
+from loraplex.errors import NotFoundError
+from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout
+from loraplex.runtime.store import Store, as_utc
+from loraplex.runtime.store.schema import CheckpointRow, RunRow
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """A named checkpoint."""
+
+    path: CheckpointPath
+    created_at: datetime
+    size_bytes: int
+    expires_at: datetime | None
+    user_metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A training run with its latest checkpoints."""
+
+    run_id: str
+    tenant: str
+    base_model: str
+    lora_config: LoraConfig
+    status: str
+    last_request_at: datetime
+    user_metadata: dict[str, Any]
+    last_checkpoint: CheckpointView | None
+    last_sampler_checkpoint: CheckpointView | None
+
+
+@dataclass(frozen=True)
+class SamplerView:
+    """A sampling session."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class Catalog:
+    """Owner-checked reads (and checkpoint deletion) over the store."""
+
+    def __init__(self, store: Store, layout: DiskLayout) -> None:
+        self._store, self._layout = store, layout
+
+    def run(self, tenant: str, run_id: str) -> RunView:
+        """One of the tenant's runs."""
+        return self._run_view(self._run_row(tenant, run_id))
+
+    def runs(self, tenant: str, limit: int, offset: int) -> tuple[list[RunView], int]:
+        """A page of the tenant's runs, newest first, and the total."""
+        rows, total = self._store.list_runs(tenant, limit, offset)
+        return [self._run_view(row) for row in rows], total
+
+    def checkpoints(self, tenant: str, run_id: str) -> list[CheckpointView]:
+        """A run's checkpoints, oldest first."""
+        self._run_row(tenant, run_id)
+        return [_checkpoint_view(row) for row in self._store.run_checkpoints(run_id)]
+
+    def tenant_checkpoints(self, tenant: str, limit: int, offset: int) -> tuple[list[CheckpointView], int]:
+        """A page of all the tenant's checkpoints, newest first, and the total."""
+        rows, total = self._store.tenant_checkpoints(tenant, limit, offset)
+        return [_checkpoint_view(row) for row in rows], total
+
+    def checkpoint(self, tenant: str, path: CheckpointPath) -> CheckpointView:
+        """One of the tenant's checkpoints."""
+        row = self._store.get_checkpoint(path.run_id, path.kind, path.name)
+        if row is None or row.tenant != tenant:
+            raise NotFoundError(f"checkpoint {path} not found")
+        return _checkpoint_view(row)
+
+    def delete_checkpoint(self, tenant: str, path: CheckpointPath) -> None:
+        """Forget one of the tenant's checkpoints and delete its files."""
+        self.checkpoint(tenant, path)
+        self._store.delete_checkpoint(path.run_id, path.kind, path.name)
+        shutil.rmtree(self._layout.checkpoint_dir(path), ignore_errors=True)
+
+    def sampler(self, tenant: str, sampler_id: str) -> SamplerView:
+        """One of the tenant's sampling sessions."""
+        row = self._store.get_sampler(sampler_id)
+        if row is None or row.tenant != tenant:
+            raise NotFoundError(f"sampler {sampler_id!r} not found")
+        return SamplerView(row.id, row.base_model, row.model_path)
+
+    def _run_row(self, tenant: str, run_id: str) -> RunRow:
+        row = self._store.get_run(run_id)
+        if row is None or row.tenant != tenant:
+            raise NotFoundError(f"training run {run_id!r} not found")
+        return row
+
+    def _run_view(self, row: RunRow) -> RunView:
+        checkpoints = self._store.run_checkpoints(row.id)
+        latest = {
+            kind: next((c for c in reversed(checkpoints) if c.kind == kind), None)
+            for kind in ("weights", "sampler_weights")
+        }
+        return RunView(
+            run_id=row.id,
+            tenant=row.tenant,
+            base_model=row.base_model,
+            lora_config=LoraConfig(**row.lora_config),
+            status=row.status,
+            last_request_at=as_utc(row.last_request_at),
+            user_metadata=row.user_metadata or {},
+            last_checkpoint=_maybe_view(latest["weights"]),
+            last_sampler_checkpoint=_maybe_view(latest["sampler_weights"]),
+        )
+
+
+def _checkpoint_view(row: CheckpointRow) -> CheckpointView:
+    return CheckpointView(
+        path=CheckpointPath(row.run_id, row.kind, row.name),
+        created_at=as_utc(row.created_at),
+        size_bytes=row.size_bytes,
+        expires_at=as_utc(row.expires_at) if row.expires_at else None,
+        user_metadata=row.user_metadata or {},
+    )
+
+
+def _maybe_view(row: CheckpointRow | None) -> CheckpointView | None:
+    return _checkpoint_view(row) if row is not None else None

@@ -1,0 +1,172 @@
+"""Futures: one per submitted request; completed by the engine worker, long-polled by the API.
+
+Pending futures live in memory; every outcome is also written to the database, so finished results
+stay retrievable after a restart. Completion may come from any thread; waiting is asyncio.
+No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplex.engine.types import PassResult
+from loraplex.errors import NotFoundError, UserError
+from loraplex.runtime.store import Store, utcnow
+from loraplex.runtime.store.results import decode_result, encode_result
+from loraplex.runtime.store.schema import FutureRow
+
+log = logging.getLogger(__name__)
+
+PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
+
+Result = dict[str, Any] | PassResult
+
+
+@dataclass
+class FutureRecord:
+    """A future as the API reads it."""
+
+    id: str
+    tenant: str
+    request_type: str
+    status: str = PENDING
+    result: Result | None = None
+    error: str | None = None
+    category: str | None = None  # "user" | "server" once failed
+    _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
+        default_factory=list, repr=False
+    )
+
+    @property
+    def is_done(self) -> bool:
+        """Completed or failed."""
+        return self.status != PENDING
+
+
+def error_category(error: BaseException) -> str:
+    """The Tinker category of an exception: user for UserError, server for anything else."""
+    return "user" if isinstance(error, UserError) else "server"
+
+
+class FutureTable:
+    """All futures of the service, keyed by request id."""
+
+    def __init__(self, store: Store, retained: int = 4096) -> None:
+        self._store = store
+        self._retained = retained  # finished records kept in memory; older ones are read from the DB
+        self._lock = threading.Lock()
+        self._pending: dict[str, FutureRecord] = {}
+        self._done: OrderedDict[str, FutureRecord] = OrderedDict()
+
+    def create(
+        self, tenant: str, request_type: str, run_id: str | None = None, seq_id: int | None = None
+    ) -> FutureRecord:
+        """A new pending future, persisted."""
+        record = FutureRecord(id=f"req-{uuid.uuid4().hex}", tenant=tenant, request_type=request_type)
+        row = FutureRow(
+            id=record.id,
+            tenant=tenant,
+            request_type=request_type,
+            run_id=run_id,
+            seq_id=seq_id,
+            status=PENDING,
+            created_at=utcnow(),
+        )
+        self._store.add_future(row)
+        with self._lock:
+            self._pending[record.id] = record
+        return record
+
+    def complete(self, future_id: str, result: Result) -> None:
+        """Resolve a future with its result."""
+        self._finish(future_id, COMPLETE, result=result)
+
+    def fail(self, future_id: str, error: BaseException) -> None:
+        """Resolve a future with an error (category from the exception class)."""
+        category = error_category(error)
+        if category == "server":
+            log.error("request %s failed: %r", future_id, error, exc_info=error)
+        self._finish(future_id, FAILED, error=str(error) or type(error).__name__, category=category)
+
+    def fail_if_pending(self, future_id: str, error: BaseException) -> None:
+        """Fail a future unless it already has an outcome (clean-up after an unexpected engine error)."""
+        with self._lock:
+            pending = future_id in self._pending
+        if pending:
+            self.fail(future_id, error)
+
+    def _finish(self, future_id: str, status: str, **outcome: Any) -> None:
+        result = outcome.get("result")
+        self._store.finish_future(
+            future_id,
+            status,
+            encode_result(result) if result is not None else None,
+            outcome.get("error"),
+            outcome.get("category"),
+        )
+        with self._lock:
+            record = self._pending.pop(future_id)
+            record.status = status
+            record.result, record.error, record.category = (
+                result,
+                outcome.get("error"),
+                outcome.get("category"),
+            )
+            self._done[future_id] = record
+            while len(self._done) > self._retained:
+                self._done.popitem(last=False)
+            waiters, record._waiters = record._waiters, []
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(_resolve, waiter)
+
+    def get(self, future_id: str, tenant: str) -> FutureRecord:
+        """A future of `tenant` (NotFoundError for unknown ids and other tenants' futures alike)."""
+        with self._lock:
+            record = self._pending.get(future_id) or self._done.get(future_id)
+        if record is None:
+            record = self._load(future_id)
+        if record is None or record.tenant != tenant:
+            raise NotFoundError(f"future {future_id!r} not found")
+        return record
+
+    async def wait(self, future_id: str, tenant: str, timeout_s: float) -> FutureRecord:
+        """The future once done, or still pending after `timeout_s` (the long-poll)."""
+        record = self.get(future_id, tenant)
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if record.is_done:
+                return record
+            record._waiters.append((loop, waiter))
+        try:
+            await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            with self._lock:
+                if (loop, waiter) in record._waiters:
+                    record._waiters.remove((loop, waiter))
+        return record
+
+    def _load(self, future_id: str) -> FutureRecord | None:
+        row = self._store.get_future(future_id)
+        if row is None:
+            return None
+        return FutureRecord(
+            id=row.id,
+            tenant=row.tenant,
+            request_type=row.request_type,
+            status=row.status,
+            result=decode_result(row.result) if row.result is not None else None,
+            error=row.error,
+            category=row.category,
+        )
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

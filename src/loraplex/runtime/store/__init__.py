@@ -1,0 +1,5 @@
+"""Persistence of the control plane: tables, the Store repository, and the result codec. No tensors."""
+
+from loraplex.runtime.store.repository import Store, as_utc, utcnow
+
+__all__ = ["Store", "as_utc", "utcnow"]

@@ -1,0 +1,234 @@
+"""The Store: every database read and write of loraplex, one short transaction per call.
+
+SQLite (WAL) by default, PostgreSQL by URL. Thread-safe: each call opens its own session.
+Returned rows are detached snapshots; changing them changes nothing. No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import create_engine, delete, event, func, select, update
+from sqlalchemy.engine import Engine as SqlEngine
+from sqlalchemy.orm import sessionmaker
+
+from loraplex.runtime.store.schema import (
+    ApiKeyRow,
+    Base,
+    CheckpointRow,
+    FutureRow,
+    RunRow,
+    SamplerRow,
+    SessionRow,
+)
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+def as_utc(when: datetime) -> datetime:
+    """SQLite returns naive datetimes; every time we store is UTC."""
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _connect(url: str) -> SqlEngine:
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        # WAL lets the API read while the engine worker writes results; NORMAL sync is durable
+        # across a process kill (only an OS crash may lose the last transactions).
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return engine
+
+
+class Store:
+    """Repository over the loraplex tables."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine = _connect(url)
+        Base.metadata.create_all(self._engine)
+        self._session = sessionmaker(self._engine, expire_on_commit=False)
+
+    @property
+    def display_url(self) -> str:
+        """The database URL with any password hidden, for logs."""
+        return self._engine.url.render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        self._engine.dispose()
+
+    def _add(self, row: Base) -> None:
+        with self._session.begin() as s:
+            s.add(row)
+
+    def _get(self, cls: type, key: Any) -> Any:
+        with self._session() as s:
+            return s.get(cls, key)
+
+    def _all(self, query: Any) -> list[Any]:
+        with self._session() as s:
+            return list(s.scalars(query))
+
+    def _page(self, query: Any, limit: int, offset: int) -> tuple[list[Any], int]:
+        with self._session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            return list(s.scalars(query.limit(limit).offset(offset))), total
+
+    # --- API keys
+    def add_key(self, row: ApiKeyRow) -> None:
+        """Store a new key digest."""
+        self._add(row)
+
+    def tenant_for_digest(self, digest: str) -> str | None:
+        """The tenant of an unrevoked key, or None."""
+        row = self._get(ApiKeyRow, digest)
+        return row.tenant if row is not None and row.revoked_at is None else None
+
+    def list_keys(self) -> list[ApiKeyRow]:
+        """Every key, oldest first."""
+        return self._all(select(ApiKeyRow).order_by(ApiKeyRow.created_at))
+
+    def revoke_key(self, key_id: str) -> bool:
+        """Revoke a key by its public id; False if there is no such unrevoked key."""
+        with self._session.begin() as s:
+            query = update(ApiKeyRow).where(ApiKeyRow.key_id == key_id, ApiKeyRow.revoked_at.is_(None))
+            return s.execute(query.values(revoked_at=utcnow())).rowcount > 0
+
+    # --- sessions
+    def add_session(self, row: SessionRow) -> None:
+        """Store a new session."""
+        self._add(row)
+
+    def get_session(self, session_id: str) -> SessionRow | None:
+        """A session by id."""
+        return self._get(SessionRow, session_id)
+
+    def update_session(self, session_id: str, **values: Any) -> None:
+        """Set columns of one session (heartbeat time, finish reason)."""
+        with self._session.begin() as s:
+            s.execute(update(SessionRow).where(SessionRow.id == session_id).values(**values))
+
+    def list_sessions(self, tenant: str) -> list[SessionRow]:
+        """A tenant's sessions, oldest first."""
+        return self._all(
+            select(SessionRow).where(SessionRow.tenant == tenant).order_by(SessionRow.created_at)
+        )
+
+    # --- training runs
+    def add_run(self, row: RunRow) -> None:
+        """Store a new training run."""
+        self._add(row)
+
+    def update_run(self, run_id: str, **values: Any) -> None:
+        """Set columns of one run (status, last request time)."""
+        with self._session.begin() as s:
+            s.execute(update(RunRow).where(RunRow.id == run_id).values(**values))
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        """A run by id."""
+        return self._get(RunRow, run_id)
+
+    def all_runs(self) -> list[RunRow]:
+        """Every run (start-up recovery)."""
+        return self._all(select(RunRow))
+
+    def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        """A page of a tenant's runs, newest first, and their total count."""
+        query = select(RunRow).where(RunRow.tenant == tenant).order_by(RunRow.created_at.desc())
+        return self._page(query, limit, offset)
+
+    # --- checkpoints
+    def put_checkpoint(self, row: CheckpointRow) -> None:
+        """Insert a checkpoint, replacing one with the same path (overwrite was checked by the caller)."""
+        with self._session.begin() as s:
+            s.execute(delete(CheckpointRow).where(*_same_path(row.run_id, row.kind, row.name)))
+            s.add(row)
+
+    def get_checkpoint(self, run_id: str, kind: str, name: str) -> CheckpointRow | None:
+        """A checkpoint by path parts."""
+        rows = self._all(select(CheckpointRow).where(*_same_path(run_id, kind, name)))
+        return rows[0] if rows else None
+
+    def delete_checkpoint(self, run_id: str, kind: str, name: str) -> None:
+        """Forget a checkpoint."""
+        with self._session.begin() as s:
+            s.execute(delete(CheckpointRow).where(*_same_path(run_id, kind, name)))
+
+    def run_checkpoints(self, run_id: str) -> list[CheckpointRow]:
+        """A run's checkpoints, oldest first."""
+        query = select(CheckpointRow).where(CheckpointRow.run_id == run_id)
+        return self._all(query.order_by(CheckpointRow.created_at, CheckpointRow.id))
+
+    def tenant_checkpoints(self, tenant: str, limit: int, offset: int) -> tuple[list[CheckpointRow], int]:
+        """A page of a tenant's checkpoints, newest first, and their total count."""
+        query = select(CheckpointRow).where(CheckpointRow.tenant == tenant)
+        return self._page(
+            query.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()), limit, offset
+        )
+
+    # --- samplers
+    def add_sampler(self, row: SamplerRow) -> None:
+        """Store a new sampling session."""
+        self._add(row)
+
+    def get_sampler(self, sampler_id: str) -> SamplerRow | None:
+        """A sampling session by id."""
+        return self._get(SamplerRow, sampler_id)
+
+    # --- futures
+    def add_future(self, row: FutureRow) -> None:
+        """Store a new future."""
+        self._add(row)
+
+    def finish_future(
+        self, future_id: str, status: str, result: str | None, error: str | None, category: str | None
+    ) -> None:
+        """Record a future's outcome."""
+        values = {
+            "status": status,
+            "result": result,
+            "error": error,
+            "category": category,
+            "completed_at": utcnow(),
+        }
+        with self._session.begin() as s:
+            s.execute(update(FutureRow).where(FutureRow.id == future_id).values(**values))
+
+    def get_future(self, future_id: str) -> FutureRow | None:
+        """A future by id."""
+        return self._get(FutureRow, future_id)
+
+    def future_id_for(self, run_id: str, seq_id: int) -> str | None:
+        """The future of a run's seq_id, if one was ever submitted."""
+        rows = self._all(select(FutureRow.id).where(FutureRow.run_id == run_id, FutureRow.seq_id == seq_id))
+        return rows[0] if rows else None
+
+    def fail_pending_futures(self, error: str) -> int:
+        """Fail every unfinished future (start-up after a crash) with a server error; return how many."""
+        values = {"status": "failed", "error": error, "category": "server", "completed_at": utcnow()}
+        with self._session.begin() as s:
+            return s.execute(update(FutureRow).where(FutureRow.status == "pending").values(**values)).rowcount
+
+    def last_seq_ids(self) -> dict[str, int]:
+        """Per run, the highest seq_id that has a future (so a recovered run continues after it)."""
+        query = select(FutureRow.run_id, func.max(FutureRow.seq_id)).where(FutureRow.run_id.is_not(None))
+        with self._session() as s:
+            rows: Sequence[Any] = s.execute(query.group_by(FutureRow.run_id)).all()
+        return {run_id: seq for run_id, seq in rows if seq is not None}
+
+
+def _same_path(run_id: str, kind: str, name: str) -> tuple[Any, ...]:
+    return (CheckpointRow.run_id == run_id, CheckpointRow.kind == kind, CheckpointRow.name == name)

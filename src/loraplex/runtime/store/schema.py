@@ -1,0 +1,119 @@
+"""Database tables (SQLAlchemy 2 ORM): tenants' keys, sessions, training runs, checkpoints, samplers, futures.
+
+Rows hold identities, ownership and small JSON results; never request bodies, tensors or weights
+(those live in memory or under the data directory). Times are UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import JSON, DateTime, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    """Declarative base of every loraplex table."""
+
+
+class ApiKeyRow(Base):
+    """An API key, stored only as its digest; the key itself is shown once at creation."""
+
+    __tablename__ = "api_keys"
+
+    # The digest is the primary key because authentication looks keys up by digest on every request.
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)  # short public handle for list/revoke
+    tenant: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class SessionRow(Base):
+    """A client session: the heartbeat lease its training runs live under."""
+
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class RunRow(Base):
+    """A training run (model id `{session}:train:{n}`) and the LoRA config it was created with."""
+
+    __tablename__ = "training_runs"
+    # Listing a tenant's runs newest first is the REST list query.
+    __table_args__ = (Index("ix_runs_tenant_created", "tenant", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    tenant: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(300))
+    lora_config: Mapped[dict] = mapped_column(JSON)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    status: Mapped[str] = mapped_column(String(16))  # live | parked | lost (run_queue.py)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class CheckpointRow(Base):
+    """A named checkpoint: `tinker://{run_id}/{kind}/{name}`, its size and expiry."""
+
+    __tablename__ = "checkpoints"
+    # One name per (run, kind): it is the checkpoint's path, and overwrite=false must see duplicates.
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "name", name="uq_checkpoint_path"),
+        # The caller-wide checkpoint list (GET /checkpoints) filters by tenant, newest first.
+        Index("ix_checkpoints_tenant_created", "tenant", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(128))
+    tenant: Mapped[str] = mapped_column(String(128))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+
+
+class SamplerRow(Base):
+    """A sampling session: base model alone, a sampler checkpoint path, or an unnamed snapshot directory."""
+
+    __tablename__ = "samplers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(64))
+    tenant: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(300))
+    model_path: Mapped[str | None] = mapped_column(String(500), nullable=True)
+    snapshot_dir: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class FutureRow(Base):
+    """A submitted request's future: status and its result (JSON text), retrievable after a restart."""
+
+    __tablename__ = "futures"
+    # Dedup under concurrent retries: a (run, seq_id) may own at most one future, even across a
+    # restart, so a resent request finds the first future instead of running twice. NULLs (sampling,
+    # session-level requests) are distinct, so they are not constrained.
+    __table_args__ = (UniqueConstraint("run_id", "seq_id", name="uq_future_run_seq"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    request_type: Mapped[str] = mapped_column(String(64))
+    run_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))  # pending | complete | failed
+    # Text, not JSON: results are written once and only ever read back whole, by the API's codec.
+    result: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    category: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

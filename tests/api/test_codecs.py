@@ -1,0 +1,76 @@
+"""Codecs against the SDK's own encoder and decoder: what the client sends decodes, what we send it reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_forward_backward_output
+
+from loraplex.api.codecs import decode_forward_backward, encode_forward_backward_output
+from loraplex.errors import UserError
+from loraplex.runtime.commands import PassResult
+
+
+def _sdk_bytes(datum: types.Datum, loss_fn: str = "ppo", config: dict | None = None) -> bytes:
+    fb_input = types.ForwardBackwardInput(data=[datum], loss_fn=loss_fn, loss_fn_config=config)
+    request = types.ForwardBackwardRequest(model_id="s:train:0", seq_id=4, forward_backward_input=fb_input)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_an_sdk_request_decodes_to_the_same_tokens_inputs_and_config() -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={
+            "target_tokens": np.array([6, 7, 8]),
+            "advantages": np.array([0.5, -1.0, 2.0], np.float32),
+        },
+    )
+    model_id, seq_id, command = decode_forward_backward(_sdk_bytes(datum, config={"clip_low_threshold": 0.7}))
+    assert (model_id, seq_id, command.loss_fn, command.loss_fn_config) == (
+        "s:train:0",
+        4,
+        "ppo",
+        {"clip_low_threshold": 0.7},
+    )
+    np.testing.assert_array_equal(command.datums[0].tokens, [5, 6, 7])
+    np.testing.assert_array_equal(command.datums[0].loss_fn_inputs["target_tokens"], [6, 7, 8])
+    assert command.datums[0].loss_fn_inputs["advantages"].dtype == np.float32
+
+
+def test_sparse_2d_weights_are_densified_with_zeros() -> None:
+    weights = types.TensorData(
+        data=[0.5, 2.0],
+        dtype="float32",
+        shape=[3, 2],
+        sparse_crow_indices=[0, 1, 1, 2],
+        sparse_col_indices=[1, 0],
+    )
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": np.zeros((3, 2), np.int64), "weights": weights},
+    )
+    dense = decode_forward_backward(_sdk_bytes(datum, "cross_entropy"))[2].datums[0].loss_fn_inputs["weights"]
+    np.testing.assert_array_equal(dense, [[0.0, 0.5], [0.0, 0.0], [2.0, 0.0]])
+
+
+def test_a_body_that_is_not_protobuf_is_a_user_error() -> None:
+    with pytest.raises(UserError, match=r"not a tinker_public\.ForwardBackwardRequest"):
+        decode_forward_backward(b"\xff\xff\xff\xff")
+
+
+def test_outputs_of_mixed_shapes_reach_the_sdk_in_datum_order() -> None:
+    result = PassResult(
+        outputs=[
+            {"logprobs": np.array([-1.0, -2.0], np.float32)},
+            {"logprobs": np.array([[-1.0, -3.0], [-4.0, -5.0]], np.float32)},
+            {"logprobs": np.array([-6.0], np.float64)},
+        ],
+        metrics={"loss:sum": 3.5},
+    )
+    decoded = deserialize_forward_backward_output(encode_forward_backward_output(result))
+    assert decoded.metrics == {"loss:sum": 3.5}
+    shapes = [out["logprobs"].shape for out in decoded.loss_fn_outputs]
+    assert shapes == [[2], [2, 2], [1]]
+    assert decoded.loss_fn_outputs[1]["logprobs"].data == [-1.0, -3.0, -4.0, -5.0]

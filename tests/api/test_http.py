@@ -1,0 +1,136 @@
+"""HTTP behaviour the SDK depends on, in-process over the fake engine: status codes with bodies,
+long-poll then try_again, zstd bodies, JSON fallback, auth."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+from fastapi.testclient import TestClient
+from tinker import types
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from loraplex.api.app import create_app
+from loraplex.config import ServerConfig
+from loraplex.runtime.service import TrainingService
+from tests.fakes import FakeEngine
+
+KEY = {"X-API-Key": "tml-local"}
+
+
+@pytest.fixture
+def http(tmp_path: Path) -> Iterator[TestClient]:
+    config = ServerConfig(data_dir=tmp_path, long_poll_s=0.3)
+    with TestClient(create_app(TrainingService.open(FakeEngine(), config))) as client:
+        yield client
+
+
+def _run(http: TestClient) -> str:
+    session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
+    body = {"session_id": session, "model_seq_id": 0, "base_model": "fake/bigram", "lora_config": {"rank": 4}}
+    future = http.post("/api/v1/create_model", json=body, headers=KEY).json()
+    assert _retrieve(http, future["request_id"]) == {"model_id": future["model_id"], "type": "create_model"}
+    return future["model_id"]
+
+
+def _retrieve(http: TestClient, request_id: str, headers: dict | None = None):
+    return http.post(
+        "/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers or KEY
+    ).json()
+
+
+def _fb_body(model_id: str, seq_id: int) -> bytes:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": np.array([2, 3, 4])},
+    )
+    fb_input = types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")
+    request = types.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, forward_backward_input=fb_input)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+def test_a_zstd_compressed_protobuf_forward_backward_is_accepted(http: TestClient) -> None:
+    run = _run(http)
+    body = zstandard.ZstdCompressor().compress(_fb_body(run, 1))
+    headers = {**KEY, "Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    future = http.post("/api/v1/forward_backward", content=body, headers=headers).json()
+    proto = http.post(
+        "/api/v1/retrieve_future",
+        json={"request_id": future["request_id"]},
+        headers={**KEY, "Accept": "application/x-protobuf"},
+    )
+    assert proto.headers["content-type"] == "application/x-protobuf"
+    as_json = _retrieve(http, future["request_id"])  # without Accept: protobuf, the JSON form
+    assert as_json["metrics"]["loss:sum"] > 0 and as_json["loss_fn_outputs"][0]["logprobs"]["shape"] == [3]
+
+
+def test_a_future_waiting_for_a_missing_seq_id_answers_try_again_after_the_long_poll(
+    http: TestClient,
+) -> None:
+    run = _run(http)
+    future = http.post("/api/v1/forward_backward", content=_fb_body(run, 2), headers=KEY).json()
+    assert _retrieve(http, future["request_id"]) == {
+        "type": "try_again",
+        "request_id": future["request_id"],
+        "queue_state": "active",
+    }
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "detail"),
+    [
+        ("post", "/api/v1/forward_backward", {"content": b"\xff\xff"}, 400, "not a tinker_public"),
+        ("post", "/api/v1/retrieve_future", {"json": {"request_id": "req-nope"}}, 404, "not found"),
+        ("get", "/api/v1/training_runs/x:train:0", {}, 404, "not found"),
+        ("delete", "/api/v1/training_runs/r/checkpoints/weights/.hidden", {}, 400, "invalid checkpoint name"),
+        (
+            "post",
+            "/api/v1/weights_info",
+            {"json": {"tinker_path": "tinker://r/secret/x"}},
+            400,
+            "kind must be one of",
+        ),
+    ],
+)
+def test_permanent_errors_are_4xx_with_a_body_never_409_or_5xx(
+    http: TestClient, method, path, kwargs, status, detail
+) -> None:
+    reply = getattr(http, method)(path, headers=KEY, **kwargs)
+    assert reply.status_code == status and detail in reply.json()["detail"]
+    assert reply.headers["x-should-retry"] == "false"
+
+
+def test_requests_without_an_api_key_get_401(http: TestClient) -> None:
+    assert http.post("/api/v1/create_session", json={}).status_code == 401
+
+
+def test_health_and_capabilities_need_no_session(http: TestClient) -> None:
+    assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+    models = http.get("/api/v1/get_server_capabilities", headers=KEY).json()["supported_models"]
+    assert models[0]["model_name"] == "fake/bigram"
+
+
+def test_heartbeats_after_finish_answer_410_so_the_sdk_stops_them(http: TestClient) -> None:
+    session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
+    assert (
+        http.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=KEY).status_code == 200
+    )
+    http.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}, headers=KEY)
+    assert (
+        http.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=KEY).status_code == 410
+    )
+
+
+def test_sampling_answers_a_clear_user_error_until_the_engine_has_a_sampler(http: TestClient) -> None:
+    run = _run(http)
+    session = run.split(":")[0]
+    body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "fake/bigram"}
+    sampler = http.post("/api/v1/create_sampling_session", json=body, headers=KEY).json()[
+        "sampling_session_id"
+    ]
+    assert http.get(f"/api/v1/samplers/{sampler}", headers=KEY).json()["base_model"] == "fake/bigram"
+    reply = http.post("/api/v1/asample", json={"sampling_session_id": sampler}, headers=KEY)
+    assert reply.status_code == 400 and "no sampler" in reply.json()["detail"]

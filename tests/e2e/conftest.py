@@ -1,0 +1,131 @@
+"""End-to-end fixtures: a real `loraplex serve` subprocess on a free port, driven by the official SDK.
+
+The engine is the built-in tiny model when `loraplex.engine.local` is importable, else the
+FakeEngine through tests/e2e/fake_server.py; LORAPLEX_E2E_ENGINE=tiny|fake forces one.
+Every server started here is killed when its test ends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def engine_kind() -> str:
+    """Which engine the e2e servers run."""
+    forced = os.environ.get("LORAPLEX_E2E_ENGINE", "auto")
+    if forced != "auto":
+        return forced
+    return "tiny" if importlib.util.find_spec("loraplex.engine.local") else "fake"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A running server process and how to reach it."""
+
+    data_dir: Path
+    args: list[str]
+    port: int = field(default_factory=_free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> Server:
+        program = ["-m", "loraplex.cli"] if engine_kind() == "tiny" else ["-m", "tests.e2e.fake_server"]
+        serve = ["serve"] if engine_kind() == "tiny" else []
+        cmd = [
+            sys.executable,
+            *program,
+            *serve,
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(self.data_dir),
+            *self.args,
+        ]
+        log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115 (outlives this call)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log.name}")
+            try:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).json() == {"status": "ok"}:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise TimeoutError("server did not become healthy")
+
+    def kill(self) -> None:
+        """kill -9: no shutdown hooks run."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextmanager
+def _servers(root: Path) -> Iterator[Callable[..., Server]]:
+    servers: list[Server] = []
+
+    def start(*args: str) -> Server:
+        data_dir = root / "data"
+        data_dir.mkdir(exist_ok=True)
+        servers.append(Server(data_dir, list(args)).start())
+        return servers[-1]
+
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """start_server(*args) -> a healthy Server on tmp_path/data (the same dir each call: a restart)."""
+    with _servers(tmp_path) as start:
+        yield start
+
+
+@pytest.fixture
+def server(start_server: Callable[..., Server]) -> Server:
+    """One default server for this test."""
+    return start_server()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One default server shared by a module's tests (they must not depend on each other)."""
+    with _servers(tmp_path_factory.mktemp("server")) as start:
+        yield start()
