@@ -10,7 +10,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "loraplex"
 
 # Per layer: top-level modules it must never import (third-party and our own upper layers).
 FORBIDDEN = {
-    "model": {"fastapi", "starlette", "uvicorn", "sqlalchemy", "loraplex.engine", "loraplex.runtime", "loraplex.api"},
+    "model": {
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "sqlalchemy",
+        "loraplex.engine",
+        "loraplex.runtime",
+        "loraplex.api",
+    },
     "engine": {"fastapi", "starlette", "uvicorn", "sqlalchemy", "loraplex.runtime", "loraplex.api"},
     "runtime": {"torch", "fastapi", "starlette", "uvicorn", "loraplex.api", "loraplex.model"},
     "api": {"torch", "sqlalchemy", "loraplex.model"},

@@ -33,7 +33,8 @@ def engine_kind() -> str:
     return "tiny" if importlib.util.find_spec("loraplex.engine.local") else "fake"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,7 +46,7 @@ class Server:
 
     data_dir: Path
     args: list[str]
-    port: int = field(default_factory=_free_port)
+    port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
 
     @property
@@ -129,3 +130,25 @@ def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One default server shared by a module's tests (they must not depend on each other)."""
     with _servers(tmp_path_factory.mktemp("server")) as start:
         yield start()
+
+
+@pytest.fixture(scope="session")
+def postgres_url_prefix() -> Iterator[str]:
+    """One throwaway PostgreSQL cluster for the session (Debian's server, installed by .ci/run if absent)."""
+    from tests.e2e.postgres import postgres_available, postgres_cluster
+
+    if not postgres_available():
+        pytest.fail("PostgreSQL is not installed: .ci/run installs Debian's postgresql package")
+    with postgres_cluster() as prefix:
+        yield prefix
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_args(request: pytest.FixtureRequest) -> list[str]:
+    """Server arguments selecting each supported database: the default SQLite file, then PostgreSQL."""
+    if request.param == "sqlite":
+        return []
+    from tests.e2e.postgres import create_database
+
+    prefix = request.getfixturevalue("postgres_url_prefix")
+    return ["--database-url", create_database(prefix, f"loraplex_{request.node.name.split('[')[0][-40:]}")]

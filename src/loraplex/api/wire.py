@@ -6,6 +6,7 @@ functions from runtime views. No tensors, no engine calls.
 
 from __future__ import annotations
 
+import secrets
 from datetime import datetime
 from typing import Any, Literal
 
@@ -73,7 +74,8 @@ class CreateModelRequest(WireModel):
         cfg = self.lora_config
         config = LoraConfig(
             rank=cfg.rank,
-            seed=cfg.seed or 0,
+            # Tinker initialises an unseeded adapter randomly; the drawn seed is kept in checkpoints.
+            seed=secrets.randbelow(2**31) if cfg.seed is None else cfg.seed,
             train_attn=cfg.train_attn,
             train_mlp=cfg.train_mlp,
             train_unembed=cfg.train_unembed,
