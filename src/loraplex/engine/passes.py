@@ -62,7 +62,9 @@ def run_pass(
         # Stable sort: each slot's tokens become one contiguous run; a request's datums stay in order.
         accepted.sort(key=lambda item: -1 if item[1].slot is None else item[1].slot)
         placed = _place(accepted)
-        is_training = any(not p.request.forward_only for p in placed)
+        # Only adapters train: a base-only (slot None) forward_backward has no accumulator, and a pack
+        # without a slot's training datum has nothing to backpropagate into.
+        is_training = any(not p.request.forward_only and p.request.slot is not None for p in placed)
         with torch.enable_grad() if is_training else torch.no_grad():
             for p, result in zip(placed, _compute(decoder, placed, chunk_size, is_training), strict=True):
                 results[p.index] = result
