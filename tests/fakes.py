@@ -15,8 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from loraplex.engine.interface import Engine, EngineInfo
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult
-from loraplex.errors import CapacityError, UserError
+from loraplex.engine.types import (
+    AdamParams,
+    LoraConfig,
+    PassRequest,
+    PassResult,
+    SampledSequence,
+    SampleRequest,
+    SampleResult,
+)
+from loraplex.errors import CapacityError, NotFoundError, UserError
 
 VOCAB = 64
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -60,6 +68,7 @@ class FakeEngine(Engine):
         self.slots: dict[int, _Slot] = {}
         self.pass_log: list[list[int | None]] = []  # slots of every run_pass call, for scheduler tests
         self.optim_log: list[list[int]] = []
+        self.sample_queue: list[tuple[str, SampleRequest]] = []
 
     # --- slots
     def create_slot(self, config: LoraConfig) -> int:
@@ -196,6 +205,66 @@ class FakeEngine(Engine):
             state.steps = int(arrays.pop("steps"))
             state.moments = arrays
         return self._put(state, slot), config
+
+    # --- sampling: bigram draws from base (+ a snapshot's A @ B); every request finishes in one step.
+    # Stop strings are accepted but never match (the fake has no tokenizer); stop ids do stop.
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        prompt = np.asarray(request.prompt)
+        if prompt.ndim != 1 or len(prompt) == 0 or np.any((prompt < 0) | (prompt >= VOCAB)):
+            raise UserError(f"prompt must be a non-empty list of token ids in [0, {VOCAB})")
+        if request.num_samples < 1 or request.params.temperature < 0:
+            raise UserError("num_samples must be ≥ 1 and temperature ≥ 0")
+        if request.snapshot is not None and not (Path(request.snapshot) / "state.npz").is_file():
+            raise NotFoundError(f"sampler weights {Path(request.snapshot).name} do not exist")
+
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        self.validate_sample_request(request)
+        self.sample_queue.append((key, request))
+
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | UserError]]:
+        done: list[tuple[str, SampleResult | UserError]] = []
+        while self.sample_queue:
+            key, request = self.sample_queue.pop(0)
+            done.append((key, self._sample(request)))
+        return done
+
+    def has_sampling_work(self) -> bool:
+        return bool(self.sample_queue)
+
+    def _sample(self, request: SampleRequest) -> SampleResult:
+        table = self.base
+        if request.snapshot is not None:
+            arrays = np.load(Path(request.snapshot) / "state.npz")
+            table = table + arrays["A"] @ arrays["B"]
+        params = request.params
+        stop_ids = {int(item) for item in params.stop or () if not isinstance(item, str)}
+        sequences = []
+        for index in range(request.num_samples):
+            rng = np.random.default_rng([params.seed or 0, index])
+            token, tokens, logprobs, reason = int(request.prompt[-1]), [], [], "length"
+            for _ in range(params.max_tokens or 16):
+                lp = _log_softmax(table[token] / (params.temperature or 1.0))
+                token = int(lp.argmax()) if params.temperature == 0 else int(rng.choice(VOCAB, p=np.exp(lp)))
+                tokens.append(token)
+                logprobs.append(lp[token])
+                if token in stop_ids:
+                    reason = "stop"
+                    break
+            tokens_array, logprobs_array = np.array(tokens, np.int32), np.array(logprobs, np.float32)
+            sequences.append(SampledSequence(tokens_array, logprobs_array, reason))
+        prompt_logprobs = None
+        if request.prompt_logprobs:
+            lp = _log_softmax(table[request.prompt[:-1]])
+            scored = lp[np.arange(len(lp)), request.prompt[1:]]
+            prompt_logprobs = np.concatenate([[np.nan], scored]).astype(np.float32)
+        return SampleResult(sequences, prompt_logprobs)
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
 def _write(directory: Path, slot: _Slot, owner: str, arrays: dict[str, np.ndarray]) -> int:

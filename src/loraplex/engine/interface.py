@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
 from loraplex.errors import UserError
 
 
@@ -29,7 +29,7 @@ class EngineInfo:
 
 
 class Engine(ABC):
-    """Compute plane: slots, fused passes, fused optimizer steps, checkpoints and snapshots."""
+    """Compute plane: slots, fused passes, fused optimizer steps, checkpoints, snapshots and sampling."""
 
     info: EngineInfo
 
@@ -74,3 +74,26 @@ class Engine(ABC):
     @abstractmethod
     def save_snapshot(self, slot: int, directory: Path) -> int:
         """Write an immutable PEFT-format copy of the slot's weights atomically; return bytes written."""
+
+    # --- sampling: continuous batching, driven by the worker between training work
+    @abstractmethod
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        """Raise UserError naming the field that this model cannot serve; cheap, touches no state."""
+
+    @abstractmethod
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        """Queue a sampling request under `key` (unique among unfinished ones); UserError if invalid."""
+
+    @abstractmethod
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | UserError]]:
+        """Admit waiting requests (their prompts' prefill, at most `max_prefill_tokens` prompt tokens beyond
+        the first request; None = no bound), run one decode step of every active sequence, and return the
+        requests that finished, each with its result or the UserError that failed it (e.g. an unreadable
+        snapshot). A request's result does not depend on what else shares its steps. If it raises, every
+        request added so far is dropped (fail them all); the sampler stays usable."""
+
+    @abstractmethod
+    def has_sampling_work(self) -> bool:
+        """Whether any sampling request is waiting or generating (step_sampler has work to do)."""

@@ -15,8 +15,9 @@ from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.interface import Engine, EngineInfo
 from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.passes import run_pass
+from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.slots import SlotPool
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
 from loraplex.errors import NotFoundError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
@@ -26,6 +27,9 @@ from loraplex.model.tiny import ensure_tiny_model
 TINY_MODEL_NAME = "loraplex/tiny"
 # Tokens per lm_head chunk: bounds the loss path's extra memory at chunk × vocab fp32 values.
 DEFAULT_LOGPROB_CHUNK = 1024
+# Sequences of one decode step (a request's samples are never split) and snapshots kept on the device.
+DEFAULT_MAX_SAMPLING_BATCH = 128
+DEFAULT_SNAPSHOT_CAPACITY = 8
 
 
 class LocalEngine(Engine):
@@ -37,11 +41,21 @@ class LocalEngine(Engine):
         info: EngineInfo,
         max_slots: int,
         logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
+        max_sampling_batch: int = DEFAULT_MAX_SAMPLING_BATCH,
+        snapshot_capacity: int = DEFAULT_SNAPSHOT_CAPACITY,
     ) -> None:
         self.decoder = decoder
         self.info = info
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
         self.logprob_chunk = logprob_chunk
+        self.sampler = Sampler(
+            decoder,
+            Path(info.tokenizer_dir),
+            info.max_context_length,
+            max_sampling_batch,
+            snapshot_capacity,
+            logprob_chunk,
+        )
 
     def validate_pass_request(self, request: PassRequest) -> None:
         """Raise UserError naming datum index, key and expectation; touches no state."""
@@ -93,6 +107,24 @@ class LocalEngine(Engine):
     def save_snapshot(self, slot: int, directory: Path) -> int:
         """Immutable PEFT-format copy of the slot's weights."""
         return snapshots.save_snapshot(self.pool, slot, directory, self.info.model_name)
+
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        """Raise UserError naming the field this model cannot serve (see sampler/validation.py)."""
+        self.sampler.validate(request)
+
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        """Queue a sampling request for the next `step_sampler` calls."""
+        self.sampler.add(key, request)
+
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | UserError]]:
+        """One admission + decode step of the sampler (see sampler/generation.py)."""
+        return self.sampler.step(max_prefill_tokens)
+
+    def has_sampling_work(self) -> bool:
+        """Whether a sampling request is waiting or generating."""
+        return self.sampler.has_work()
 
 
 def _check_tokens(index: int, tokens: np.ndarray, vocab_size: int, max_length: int) -> None:

@@ -1,4 +1,4 @@
-"""Plain data crossing the runtime -> engine boundary: numpy arrays and dataclasses, no torch.
+"""Plain data crossing the runtime -> engine boundary: numpy arrays, paths and dataclasses, no torch.
 
 The runtime builds these; the engine consumes them and answers with numpy results. Field
 conventions follow the Tinker protocol (shared/docs/tinker-protocol.md, losses.md).
@@ -7,6 +7,7 @@ conventions follow the Tinker protocol (shared/docs/tinker-protocol.md, losses.m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -63,3 +64,49 @@ class PassResult:
 
     outputs: list[dict[str, np.ndarray]]  # each: logprobs (shape of target_tokens), elementwise_loss (N,)
     metrics: dict[str, float] = field(default_factory=dict)  # at least "loss:sum"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are drawn (Tinker's sampling_params, tinker-protocol.md §6.8)."""
+
+    max_tokens: int | None = None  # None = the engine's default, capped by the context length
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = -1  # -1 = no limit
+    top_p: float = 1.0  # 1 = no limit
+    seed: int | None = None  # in [0, 2**64); None = fresh entropy
+    # None = stop at EOS; () = only max_tokens stops; else stop strings (str) and stop token ids (int),
+    # and EOS still stops.
+    stop: tuple[str | int, ...] | None = None
+
+
+@dataclass
+class SampleRequest:
+    """One asample / compute_logprobs request: a prompt, sampled num_samples times from one model."""
+
+    prompt: np.ndarray  # (P,) int64 token ids
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+    prompt_logprobs: bool = False  # logprob of each prompt token given the ones before it
+    topk_prompt_logprobs: int = 0  # k > 0: the k likeliest ids and their logprobs at each prompt position
+    prompt_logprobs_last_n: int | None = None  # score only the last n prompt positions; None = all
+    snapshot: Path | None = None  # a PEFT snapshot directory; None = the base model alone
+
+
+@dataclass
+class SampledSequence:
+    """One sample: its tokens (with the stop token / the tokens completing a stop string) and logprobs."""
+
+    tokens: np.ndarray  # (n,) int32
+    logprobs: np.ndarray  # (n,) float32, each under the distribution it was drawn from (sampler/sampling.py)
+    stop_reason: str  # "stop" (EOS, stop token or stop string) or "length" (max_tokens reached)
+
+
+@dataclass
+class SampleResult:
+    """A request's samples in order, plus prompt scores when asked; unscored positions are NaN / -1."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: np.ndarray | None = None  # (P,) float32; NaN at 0 and before the last n
+    topk_prompt_ids: np.ndarray | None = None  # (P, k) int32; -1 where not scored
+    topk_prompt_logprobs: np.ndarray | None = None  # (P, k) float32; NaN where not scored

@@ -1,10 +1,13 @@
 """Attention math between the projections: rotary position embedding, then causal attention over a pack.
 
 Functions over already-projected q, k, v plus packing metadata; the projections live in decoder.py.
-A KV-cache decode path is a sibling of `packed_attention` over the same inputs. Knows nothing of
-slots, checkpoints or HF.
+`decode_attention` is the KV-cache sibling of `packed_attention`: one new token per sequence against
+that sequence's cached keys and values (model/kv_cache.py holds them). Knows nothing of slots,
+checkpoints or HF.
 
-Shapes: T packed tokens, N query heads, K kv heads, H head dim, M sequences of one length, L that length.
+Shapes: T packed tokens, N query heads, K kv heads, H head dim, G = N/K query heads per kv head,
+M sequences of one length, L that length (or the longest cached span), B sequences of a decode step,
+R cache rows, C cache capacity in tokens.
 """
 
 from __future__ import annotations
@@ -117,3 +120,35 @@ def _causal_sdpa(q_MLNH: Tensor, k_MLKH: Tensor, v_MLKH: Tensor) -> Tensor:
         enable_gqa=q_MLNH.shape[2] != k_MLKH.shape[2],
     )
     return out_MNLH.transpose(1, 2)
+
+
+def decode_attention(
+    q_BNH: Tensor, k_cache_RKCH: Tensor, v_cache_RKCH: Tensor, rows_B: Tensor, is_visible_RL: Tensor
+) -> Tensor:
+    """Attention of one new token per sequence over its cache row (which already holds that token's k, v).
+
+    Semantics (the per-sequence loop this equals):
+        for b in range(B):
+            r, L_b = rows_B[b], number of True in is_visible_RL[r] (a prefix)
+            out[b] = causal_attention's last row over k_cache[r, :, :L_b], v_cache[r, :, :L_b] for q[b]
+    with kv head j serving query heads j*G ... (j+1)*G - 1 and scale 1/sqrt(H).
+
+    How: q is scattered into cache-row order, so the cache is attended in place (a view of its first R
+    rows and L positions, never gathered) by one SDPA call; the G query heads of a kv head act as G
+    query positions sharing one (R, 1, 1, L) padding mask, so GQA needs no repeated keys. Rows not in
+    the step see only position 0 and their outputs are dropped. On 2 CPU cores this beats gathering
+    rows into batch order (a copy of every step's keys) and matches a per-sequence loop without its
+    Python overhead per sequence and layer; see kv_cache.py for the measurements.
+    """
+    num_rows, span = is_visible_RL.shape
+    num_heads, head_dim = q_BNH.shape[1:]
+    num_kv_heads = k_cache_RKCH.shape[1]
+    group = num_heads // num_kv_heads
+    q_RNH = q_BNH.new_zeros(num_rows, num_heads, head_dim).index_copy_(0, rows_B, q_BNH)
+    out_RKGH = F.scaled_dot_product_attention(
+        q_RNH.view(num_rows, num_kv_heads, group, head_dim),
+        k_cache_RKCH[:num_rows, :, :span],
+        v_cache_RKCH[:num_rows, :, :span],
+        attn_mask=is_visible_RL[:, None, None, :],
+    )
+    return out_RKGH.reshape(num_rows, num_heads, head_dim).index_select(0, rows_B)

@@ -11,6 +11,8 @@ Shared: pre-norm RMSNorm blocks, grouped-query attention, SwiGLU MLP, rope in HF
 
 Module names follow HF's (`model.layers.0.self_attn.q_proj`, `lm_head`), so checkpoint keys and PEFT
 module paths are our own names. The base is frozen; LoRA slots attach to the MultiLoRALinear layers.
+Two forwards share every block: `forward` over a packed batch of whole sequences, and `forward_cached`
+over new tokens that extend sequences held in a KV cache (prefill, then one token per decode step).
 Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
 
 Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
@@ -18,15 +20,21 @@ Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor, nn
 
 from loraplex.model.attention import RotaryEmbedding, apply_rope, packed_attention
 from loraplex.model.config import DecoderConfig
+from loraplex.model.kv_cache import CacheStep
 from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear
 from loraplex.model.packing import PackedSequences
 
 Device = torch.device | str | None
+# attend(q_TNH, k_TKH, v_TKH) -> out_TNH: one layer's attention between projections, bound per forward.
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 # PEFT target name -> the `train_*` group of a slot that trains it.
 LORA_GROUPS = {
@@ -57,7 +65,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Project, (q/k norm), rotate, attend within each packed sequence, project back."""
+    """Project, (q/k norm), rotate, attend (packed or over a KV cache, as bound by the forward), project."""
 
     def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -72,11 +80,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
 
     def forward(
-        self,
-        x_TD: Tensor,
-        rope_TH: tuple[Tensor, Tensor],
-        packing: PackedSequences,
-        routing: LoRARouting | None,
+        self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
     ) -> Tensor:
         T = x_TD.shape[0]
         q_TNH = self.q_proj(x_TD, routing).view(T, self.num_heads, self.head_dim)
@@ -85,7 +89,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
         q_TNH, k_TKH = apply_rope(q_TNH, *rope_TH), apply_rope(k_TKH, *rope_TH)
-        out_TNH = packed_attention(q_TNH, k_TKH, v_TKH, packing)
+        out_TNH = attend(q_TNH, k_TKH, v_TKH)
         return self.o_proj(out_TNH.reshape(T, self.num_heads * self.head_dim), routing)
 
 
@@ -115,13 +119,9 @@ class Block(nn.Module):
         self.mlp = MLP(config, device, dtype)
 
     def forward(
-        self,
-        x_TD: Tensor,
-        rope_TH: tuple[Tensor, Tensor],
-        packing: PackedSequences,
-        routing: LoRARouting | None,
+        self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
     ) -> Tensor:
-        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, packing, routing)
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, attend, routing)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD), routing)
 
 
@@ -161,10 +161,34 @@ class Decoder(nn.Module):
         """Final-normed hidden states (T, D) of a packed batch; routing None = base model only."""
         if tokens_T.shape[0] != packing.num_tokens:
             raise ValueError(f"{tokens_T.shape[0]} tokens but the packing describes {packing.num_tokens}")
+
+        def attend(layer: int, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor) -> Tensor:
+            return packed_attention(q_TNH, k_TKH, v_TKH, packing)
+
+        return self._blocks(tokens_T, packing.positions_T, attend, routing)
+
+    def forward_cached(self, tokens_T: Tensor, step: CacheStep, routing: LoRARouting | None = None) -> Tensor:
+        """Final-normed hidden states (T, D) of new tokens that extend cached sequences; writes their K/V.
+
+        Semantics: equals the rows of `forward` over each whole sequence (cached prefix + new tokens) at
+        the new tokens' positions, with the same routing per sequence.
+        """
+        if tokens_T.shape[0] != step.positions_T.shape[0]:
+            raise ValueError(f"{tokens_T.shape[0]} tokens but the cache step has {step.positions_T.shape[0]}")
+        return self._blocks(tokens_T, step.positions_T, step.attend, routing)
+
+    def _blocks(
+        self,
+        tokens_T: Tensor,
+        positions_T: Tensor,
+        attend: Callable[[int, Tensor, Tensor, Tensor], Tensor],
+        routing: LoRARouting | None,
+    ) -> Tensor:
+        """Embed, run every block with `attend` bound to its layer index, final norm."""
         x_TD = self.model.embed_tokens(tokens_T)
-        rope_TH = self.rotary(packing.positions_T, x_TD.dtype)
-        for block in self.model.layers:
-            x_TD = block(x_TD, rope_TH, packing, routing)
+        rope_TH = self.rotary(positions_T, x_TD.dtype)
+        for layer, block in enumerate(self.model.layers):
+            x_TD = block(x_TD, rope_TH, partial(attend, layer), routing)
         return self.model.norm(x_TD)
 
     def logits(

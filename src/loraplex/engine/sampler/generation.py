@@ -1,0 +1,308 @@
+"""Continuous batching: many requests of many snapshots share every prefill and every decode step.
+
+A request waits until admitted. Admission prefills its prompt once (packed with the other prompts
+admitted in the same step) into a KV-cache row, copies that row for each further sample, scores the
+prompt if asked and draws every sample's first token from the prompt's last position. Each step then
+feeds every active sequence's last token at once, the batch ordered by snapshot so that each
+snapshot's rows form one LoRA routing segment, and draws the next tokens. A sequence leaves the batch
+(and frees its row) when it stops; a request finishes when all its samples have.
+Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures (keys are the caller's).
+
+Shapes: Q prompts in a prefill, T their packed tokens, B sequences of a step, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from loraplex.engine.sampler.prompt_scores import PromptScores, score_prompt
+from loraplex.engine.sampler.sampling import draw_tokens
+from loraplex.engine.sampler.snapshot_cache import SnapshotCache
+from loraplex.engine.sampler.stops import StopChecker, read_eos_token_ids
+from loraplex.engine.sampler.validation import ModelLimits, resolved_max_tokens, validate_sample_request
+from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
+from loraplex.errors import UserError
+from loraplex.model.decoder import Decoder
+from loraplex.model.kv_cache import KVCache
+from loraplex.model.multi_lora import LoRARouting
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class _Sequence:
+    """One sample being generated, in its own cache row, with its own generator and stop state."""
+
+    row: int
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator
+    stops: StopChecker
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str | None = None  # "stop" or "length" once finished
+
+    def to_result(self) -> SampledSequence:
+        """The finished sample as plain arrays."""
+        assert self.stop_reason is not None  # only finished sequences are returned
+        tokens, logprobs = np.asarray(self.tokens, np.int32), np.asarray(self.logprobs, np.float32)
+        return SampledSequence(tokens, logprobs, self.stop_reason)
+
+
+@dataclass
+class _Job:
+    """An admitted request until its result is returned."""
+
+    request: SampleRequest
+    snapshot_id: int | None  # None = the base model alone
+    sequences: list[_Sequence]
+    scores: PromptScores | None = None
+
+    @property
+    def batch_order(self) -> int:
+        """Sort key that makes each snapshot's sequences contiguous (base first)."""
+        return -1 if self.snapshot_id is None else self.snapshot_id
+
+
+class Sampler:
+    """Generation from the base model and any snapshot, over one decoder and one KV cache."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        model_dir: Path,
+        max_context_length: int,
+        max_batch: int,
+        snapshot_capacity: int,
+        chunk_size: int,
+    ) -> None:
+        self.decoder = decoder
+        self.model_dir = Path(model_dir)
+        self.max_context_length = max_context_length
+        self.max_batch = max_batch  # rows of a decode step; a request's samples are never split
+        self.chunk_size = chunk_size
+        self.cache = self._new_cache()
+        self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity)
+        self._waiting: deque[tuple[str, SampleRequest]] = deque()
+        self._jobs: dict[str, _Job] = {}  # admitted, in admission order
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model directory's tokenizer (for stop strings); None when it has none."""
+        path = self.model_dir / TOKENIZER_FILE
+        return Tokenizer.from_file(str(path)) if path.is_file() else None
+
+    @cached_property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Ids that end a sequence unless `stop=[]`."""
+        return read_eos_token_ids(self.model_dir)
+
+    def validate(self, request: SampleRequest) -> None:
+        """Raise UserError naming the first field this model cannot serve."""
+        limits = ModelLimits(
+            vocab_size=self.decoder.config.vocab_size,
+            max_context_length=self.max_context_length,
+            max_samples=self.max_batch,
+            can_match_strings=self.tokenizer is not None,
+        )
+        validate_sample_request(request, limits)
+
+    def add(self, key: str, request: SampleRequest) -> None:
+        """Queue a request under a key unique among unfinished ones; UserError if it is invalid."""
+        if key in self._jobs or any(key == waiting for waiting, _ in self._waiting):
+            raise ValueError(f"sample key {key!r} is already in flight")
+        self.validate(request)
+        self._waiting.append((key, request))
+
+    def has_work(self) -> bool:
+        """Whether a request is waiting or generating."""
+        return bool(self._waiting or self._jobs)
+
+    def step(self, max_prefill_tokens: int | None = None) -> list[tuple[str, SampleResult | UserError]]:
+        """Admit waiting requests (one prefill), run one decode step, return the requests that finished.
+
+        `max_prefill_tokens` bounds the prompt tokens admitted in this step (None = no bound); the first
+        waiting request is admitted whatever its length when nothing else is admitted in this step.
+        If the step raises (a bug, out of memory), every request added so far is dropped, so the caller
+        fails them all, and the sampler is left empty and usable.
+        """
+        try:
+            return self._step(max_prefill_tokens)
+        except BaseException:
+            self._drop_everything()
+            raise
+
+    def _drop_everything(self) -> None:
+        """Forget every request, cache row and snapshot use, whatever state a failed step left."""
+        self._jobs.clear()
+        self._waiting.clear()
+        self.cache = self._new_cache()
+        self.snapshots.release_all()
+
+    def _new_cache(self) -> KVCache:
+        weight = self.decoder.lm_head.weight
+        return KVCache(self.decoder.config, weight.device, weight.dtype)
+
+    @torch.no_grad()
+    def _step(self, max_prefill_tokens: int | None) -> list[tuple[str, SampleResult | UserError]]:
+        finished: list[tuple[str, SampleResult | UserError]] = []
+        admitted = self._admit(max_prefill_tokens, finished)
+        if admitted:
+            self._prefill(admitted)
+        active = [
+            (job, sequence)
+            for job in sorted(self._jobs.values(), key=lambda job: job.batch_order)
+            for sequence in job.sequences
+            if sequence.stop_reason is None
+        ]
+        if active:
+            self._decode(active)
+        for key in [key for key, job in self._jobs.items() if _is_done(job)]:
+            finished.append((key, self._finish(self._jobs.pop(key))))
+        return finished
+
+    # --- admission and prefill
+    def _admit(self, budget: int | None, finished: list[tuple[str, SampleResult | UserError]]) -> list[_Job]:
+        """Move waiting requests to jobs, FIFO, while rows, the token budget and snapshot capacity allow."""
+        admitted: list[_Job] = []
+        rows = self.cache.num_live_rows
+        prompt_tokens = 0
+        while self._waiting:
+            key, request = self._waiting[0]
+            rows += request.num_samples
+            prompt_tokens += len(request.prompt)
+            over_budget = budget is not None and prompt_tokens > budget
+            if rows > self.max_batch or (admitted and over_budget):
+                break
+            snapshot_id = None
+            if request.snapshot is not None:
+                try:
+                    snapshot_id = self.snapshots.acquire(request.snapshot)
+                except UserError as error:
+                    self._waiting.popleft()
+                    finished.append((key, error))
+                    continue
+                if snapshot_id is None:  # every resident snapshot is in use: wait for a release
+                    break
+            self._waiting.popleft()
+            self._jobs[key] = self._new_job(request, snapshot_id)
+            admitted.append(self._jobs[key])
+        return admitted
+
+    def _new_job(self, request: SampleRequest, snapshot_id: int | None) -> _Job:
+        """Cache rows, generators (one per sample, from the request's seed) and stop state per sample."""
+        prompt_length = len(request.prompt)
+        max_tokens = resolved_max_tokens(request, self.max_context_length)
+        params = request.params
+        stop_ids = _stop_token_ids(params.stop, self.eos_token_ids)
+        stop_strings = [item for item in params.stop or () if isinstance(item, str)]
+        seeds = np.random.SeedSequence(params.seed).spawn(request.num_samples)
+        sequences = [
+            _Sequence(
+                # The last sampled token is never fed back, so it needs no cache slot.
+                row=self.cache.allocate(prompt_length + max_tokens - 1),
+                params=params,
+                max_tokens=max_tokens,
+                generator=torch.Generator().manual_seed(int(seed.generate_state(1, np.uint64)[0])),
+                stops=StopChecker(stop_ids, stop_strings, self.tokenizer),
+            )
+            for seed in seeds
+        ]
+        return _Job(request, snapshot_id, sequences)
+
+    def _prefill(self, jobs: list[_Job]) -> None:
+        """One packed forward over the admitted prompts; scores and first tokens for every sample."""
+        jobs = sorted(jobs, key=lambda job: job.batch_order)
+        device = self.decoder.lm_head.weight.device
+        prompts = [torch.from_numpy(np.asarray(job.request.prompt, dtype=np.int64)) for job in jobs]
+        lengths = [len(prompt) for prompt in prompts]
+        snapshot_ids = [job.snapshot_id for job in jobs]
+        step = self.cache.prefill([job.sequences[0].row for job in jobs], lengths)
+        routing = LoRARouting.from_sequences(lengths, snapshot_ids)
+        hidden_TD = self.decoder.forward_cached(torch.cat(prompts).to(device), step, routing)
+
+        hidden_per_prompt = hidden_TD.split(lengths)
+        for job, prompt_P, hidden_PD in zip(jobs, prompts, hidden_per_prompt, strict=True):
+            for sequence in job.sequences[1:]:
+                self.cache.copy_prefix(job.sequences[0].row, sequence.row)
+            job.scores = self._score(job, prompt_P.to(device), hidden_PD)
+        last_hidden_QD = torch.stack([hidden_PD[-1] for hidden_PD in hidden_per_prompt])
+        last_routing = LoRARouting.from_sequences([1] * len(jobs), snapshot_ids)
+        logits_QV = self.decoder.lm_head(last_hidden_QD, last_routing)
+        prompt_of_sample = [q for q, job in enumerate(jobs) for _ in job.sequences]
+        logits_BV = logits_QV.index_select(0, torch.tensor(prompt_of_sample, device=device))
+        self._draw(logits_BV, [sequence for job in jobs for sequence in job.sequences])
+
+    def _score(self, job: _Job, prompt_P: Tensor, hidden_PD: Tensor) -> PromptScores | None:
+        request = job.request
+        if not (request.prompt_logprobs or request.topk_prompt_logprobs):
+            return None
+        last_n = request.prompt_logprobs_last_n
+        first = 1 if last_n is None else max(1, len(prompt_P) - last_n)
+
+        def head_fn(hidden_CD: Tensor) -> Tensor:
+            routing = LoRARouting.from_sequences([len(hidden_CD)], [job.snapshot_id])
+            return self.decoder.lm_head(hidden_CD, routing)
+
+        wants, top_k = request.prompt_logprobs, request.topk_prompt_logprobs
+        return score_prompt(hidden_PD, prompt_P, head_fn, first, wants, top_k, self.chunk_size)
+
+    # --- decoding
+    def _decode(self, active: list[tuple[_Job, _Sequence]]) -> None:
+        """Feed every active sequence's last token (one KV-cache decode step) and draw the next ones."""
+        device = self.decoder.lm_head.weight.device
+        sequences = [sequence for _, sequence in active]
+        step = self.cache.decode([sequence.row for sequence in sequences])
+        routing = LoRARouting.from_sequences([1] * len(active), [job.snapshot_id for job, _ in active])
+        tokens_B = torch.tensor([sequence.tokens[-1] for sequence in sequences], device=device)
+        hidden_BD = self.decoder.forward_cached(tokens_B, step, routing)
+        self._draw(self.decoder.lm_head(hidden_BD, routing), sequences)
+
+    def _draw(self, logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
+        """Draw one token per sequence, append it, and retire the sequences that stop."""
+        uniforms_B = torch.cat(
+            [torch.rand(1, generator=sequence.generator, dtype=torch.float64) for sequence in sequences]
+        )
+        tokens_B, logprobs_B = draw_tokens(logits_BV, [sequence.params for sequence in sequences], uniforms_B)
+        for sequence, token, logprob in zip(sequences, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+            sequence.tokens.append(token)
+            sequence.logprobs.append(logprob)
+            if sequence.stops.is_stop(token):
+                sequence.stop_reason = "stop"
+            elif len(sequence.tokens) >= sequence.max_tokens:
+                sequence.stop_reason = "length"
+            if sequence.stop_reason is not None:
+                self.cache.free(sequence.row)
+
+    def _finish(self, job: _Job) -> SampleResult:
+        if job.snapshot_id is not None:
+            self.snapshots.release(job.snapshot_id)
+        scores = job.scores
+        return SampleResult(
+            sequences=[sequence.to_result() for sequence in job.sequences],
+            prompt_logprobs=scores.logprobs_P if scores else None,
+            topk_prompt_ids=scores.topk_ids_PK if scores else None,
+            topk_prompt_logprobs=scores.topk_logprobs_PK if scores else None,
+        )
+
+
+def _is_done(job: _Job) -> bool:
+    return all(sequence.stop_reason is not None for sequence in job.sequences)
+
+
+def _stop_token_ids(stop: tuple[str | int, ...] | None, eos_token_ids: frozenset[int]) -> frozenset[int]:
+    """None: EOS. (): nothing. Otherwise the listed ids and EOS, which renderers rely on still stopping."""
+    if stop is None:
+        return eos_token_ids
+    if not stop:
+        return frozenset()
+    return eos_token_ids | {int(item) for item in stop if not isinstance(item, str)}

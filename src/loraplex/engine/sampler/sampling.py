@@ -1,0 +1,111 @@
+"""Drawing one token per sequence from its logits: temperature, top-k, top-p, one uniform per draw.
+
+The distribution a token is drawn from: logits / temperature, softmaxed in fp32; then top-k (the k
+likeliest ids, ties to the lower id), then top-p on the top-k distribution renormalised (the shortest
+prefix, likeliest first, whose mass reaches p; at least one id); the kept ids renormalised.
+A draw walks that distribution's cumulative sum in vocabulary order to the caller's uniform u ∈ [0, 1),
+so a sequence's tokens depend only on its logits and its own generator, never on its batch neighbours.
+
+Logprob convention: a sampled token's logprob is under that renormalised truncated distribution, the
+exact probability with which the token was drawn. RL losses use it as the behaviour policy q in the
+ratio p/q, which is unbiased only with the true sampling probability; without truncation it is the
+tempered full-vocabulary logprob. Greedy rows (temperature 0) take the argmax (the lowest id among
+ties) and report its temperature-1 full-vocabulary logprob, the model's own probability of it.
+Knows nothing of requests, caches, snapshots or tokenizers. No HTTP, no SQL.
+
+Shapes: B sequences of one step, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from loraplex.engine.types import SamplingParams
+
+
+def draw_tokens(
+    logits_BV: Tensor, params: Sequence[SamplingParams], uniforms_B: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One token per row and its logprob, each row under its own params and uniform: (B,) int64, (B,) fp32.
+
+    Semantics (`draw_token_reference` runs exactly this per row):
+        for b in range(B):
+            tokens[b], logprobs[b] = draw_token_reference(logits_BV[b], params[b], uniforms_B[b])
+
+    How: one fp32 log_softmax over all rows; only rows that truncate are sorted (stably) to find their
+    kept ids and are renormalised; then one float64 cumulative sum and one searchsorted for all rows.
+    """
+    logits_BV = logits_BV.float()
+    vocab = logits_BV.shape[-1]
+    device = logits_BV.device
+    is_greedy_B = torch.tensor([p.temperature == 0 for p in params], device=device)
+    temperature_B1 = torch.tensor([[p.temperature or 1.0] for p in params], device=device)
+    lp_BV = torch.log_softmax(logits_BV / temperature_B1, dim=-1)
+    truncated = [b for b, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
+    if truncated:
+        index = torch.tensor(truncated, device=device)
+        top_k = torch.tensor([_top_k(params[b], vocab) for b in truncated], device=device)
+        top_p = torch.tensor([params[b].top_p for b in truncated], device=device)
+        lp_kept = lp_BV.index_select(0, index)
+        is_kept = _kept_ids(lp_kept, top_k, top_p)
+        lp_kept = torch.log_softmax(lp_kept.masked_fill(~is_kept, float("-inf")), dim=-1)
+        lp_BV = lp_BV.index_copy(0, index, lp_kept)
+
+    probs_BV = lp_BV.double().exp()
+    cdf_BV = probs_BV.cumsum(-1)
+    targets_B1 = (uniforms_B.to(device=device, dtype=torch.float64) * cdf_BV[:, -1])[:, None]
+    sampled_B = torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(1)
+    # Rounding can put the target at the total mass: fall back to the last id that has any.
+    last_kept_B = vocab - 1 - (probs_BV > 0).flip(-1).int().argmax(-1)
+    sampled_B = torch.minimum(sampled_B, last_kept_B)
+    tokens_B = torch.where(is_greedy_B, logits_BV.argmax(-1), sampled_B)
+    return tokens_B, lp_BV.gather(-1, tokens_B[:, None]).squeeze(1)
+
+
+def draw_token_reference(logits_V: Tensor, params: SamplingParams, uniform: float) -> tuple[int, float]:
+    """Plain per-row reference that `draw_tokens` must equal; for tests only (slow)."""
+    logits_V = logits_V.float()
+    if params.temperature == 0:
+        token = int(logits_V.argmax())
+        return token, float(torch.log_softmax(logits_V, -1)[token])
+    lp_V = torch.log_softmax(logits_V / params.temperature, -1)
+    order = sorted(range(len(lp_V)), key=lambda i: -float(lp_V[i]))[: _top_k(params, len(lp_V))]
+    top_k_mass = sum(float(lp_V[i].exp()) for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= params.top_p:
+            break
+        kept.append(i)
+        mass += float(lp_V[i].exp()) / top_k_mass
+    kept_lp = torch.log_softmax(lp_V[kept], -1)
+    probs = {token: float(lp.exp()) for token, lp in zip(kept, kept_lp, strict=True)}
+    total = sum(probs.values())
+    cumulative = 0.0
+    for token in sorted(probs):
+        cumulative += probs[token]
+        if cumulative > uniform * total:
+            return token, float(kept_lp[kept.index(token)])
+    return max(probs), float(kept_lp[kept.index(max(probs))])
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    return vocab if params.top_k == -1 else min(params.top_k, vocab)
+
+
+def _truncates(params: SamplingParams, vocab: int) -> bool:
+    return _top_k(params, vocab) < vocab or params.top_p < 1.0
+
+
+def _kept_ids(lp_MV: Tensor, top_k_M: Tensor, top_p_M: Tensor) -> Tensor:
+    """(M, V) bool: the top-k ids of each row, then the top-p prefix of their renormalised distribution."""
+    sorted_lp_MV, order_MV = lp_MV.sort(dim=-1, descending=True, stable=True)
+    rank_V = torch.arange(lp_MV.shape[-1], device=lp_MV.device)
+    in_top_k_MV = rank_V[None, :] < top_k_M[:, None]
+    probs_MV = torch.softmax(sorted_lp_MV.masked_fill(~in_top_k_MV, float("-inf")), dim=-1)
+    mass_before_MV = probs_MV.cumsum(-1) - probs_MV
+    # The likeliest id has 0 mass before it, so some id is kept for any top_p > 0.
+    is_kept_sorted_MV = in_top_k_MV & (mass_before_MV < top_p_M[:, None])
+    return torch.zeros_like(is_kept_sorted_MV).scatter_(-1, order_MV, is_kept_sorted_MV)

@@ -1,0 +1,107 @@
+"""Checking a SampleRequest before it is queued: every field against what the model can serve.
+
+Cheap (numpy and a few file stats, no torch) and side-effect free; each error names the Tinker field,
+the value and what is allowed. Engine code: no HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from pathlib import Path
+
+import numpy as np
+
+from loraplex.engine.snapshots import CONFIG_FILE
+from loraplex.engine.types import SampleRequest
+from loraplex.errors import NotFoundError, UserError
+
+# max_tokens when a request leaves it out (Tinker's client does when None), capped by the context left.
+DEFAULT_MAX_TOKENS = 128
+_SEED_LIMIT = 2**64
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against."""
+
+    vocab_size: int
+    max_context_length: int
+    max_samples: int  # num_samples of one request, at most the decode batch
+    can_match_strings: bool  # a tokenizer is available for stop strings
+
+
+def resolved_max_tokens(request: SampleRequest, max_context_length: int) -> int:
+    """The request's max_tokens, or the default capped by the context the prompt leaves."""
+    if request.params.max_tokens is not None:
+        return request.params.max_tokens
+    return min(DEFAULT_MAX_TOKENS, max_context_length - len(request.prompt))
+
+
+def validate_sample_request(request: SampleRequest, limits: ModelLimits) -> None:
+    """Raise UserError naming the first field that this model cannot serve; touches no state."""
+    prompt = np.asarray(request.prompt)
+    if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+        raise UserError("prompt must be a 1-D list of integer token ids")
+    if not 1 <= len(prompt) < limits.max_context_length:
+        raise UserError(
+            f"prompt has {len(prompt)} tokens; expected 1..{limits.max_context_length - 1} so that at least "
+            f"one token fits the model's context length {limits.max_context_length}"
+        )
+    _check_ids("prompt", prompt, limits.vocab_size)
+    _check_int("num_samples", request.num_samples, 1, limits.max_samples)
+    _check_params(request, len(prompt), limits)
+    if not isinstance(request.prompt_logprobs, bool):
+        raise UserError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
+    _check_int("topk_prompt_logprobs", request.topk_prompt_logprobs, 0, limits.vocab_size)
+    if request.prompt_logprobs_last_n is not None:
+        _check_int("prompt_logprobs_last_n", request.prompt_logprobs_last_n, 0, limits.max_context_length)
+    if request.snapshot is not None and not (Path(request.snapshot) / CONFIG_FILE).is_file():
+        raise NotFoundError(f"sampler weights {Path(request.snapshot).name} do not exist (no {CONFIG_FILE})")
+
+
+def _check_params(request: SampleRequest, prompt_length: int, limits: ModelLimits) -> None:
+    params = request.params
+    if params.max_tokens is not None:
+        room = limits.max_context_length - prompt_length
+        _check_int("sampling_params.max_tokens", params.max_tokens, 1, room, " (context left)")
+    temperature = params.temperature
+    if not _is_real(temperature) or not 0 <= temperature < math.inf:
+        raise UserError(f"sampling_params.temperature must be a finite number ≥ 0, got {temperature!r}")
+    if (
+        not isinstance(params.top_k, Integral)
+        or isinstance(params.top_k, bool)
+        or not (params.top_k == -1 or params.top_k >= 1)
+    ):
+        raise UserError(f"sampling_params.top_k must be -1 (no limit) or ≥ 1; got {params.top_k!r}")
+    if not _is_real(params.top_p) or not 0 < params.top_p <= 1:
+        raise UserError(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}")
+    if params.seed is not None:
+        _check_int("sampling_params.seed", params.seed, 0, _SEED_LIMIT - 1)
+    for item in params.stop or ():
+        if isinstance(item, str):
+            if not item:
+                raise UserError("sampling_params.stop has an empty stop string")
+            if not limits.can_match_strings:
+                raise UserError("sampling_params.stop has stop strings, but this model has no tokenizer.json")
+        elif isinstance(item, Integral) and not isinstance(item, bool):
+            _check_ids("sampling_params.stop", np.asarray([item]), limits.vocab_size)
+        else:
+            raise UserError(f"sampling_params.stop items must be strings or token ids, got {item!r}")
+
+
+def _check_int(field: str, value: object, low: int, high: int, why: str = "") -> None:
+    if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:
+        raise UserError(f"{field} must be an integer in [{low}, {high}]{why}, got {value!r}")
+
+
+def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise UserError(f"{field} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)

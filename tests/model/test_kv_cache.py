@@ -1,0 +1,141 @@
+"""The KV cache: prefill + one-token decode steps give the packed forward's logits at every position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from loraplex.model.attention import decode_attention
+from loraplex.model.decoder import Decoder
+from loraplex.model.hf_checkpoint import load_decoder
+from loraplex.model.kv_cache import KVCache
+from loraplex.model.multi_lora import LoRARouting
+from loraplex.model.packing import PackedSequences
+from tests.model.test_decoder_parity import save_random_hf_model
+
+SHAPES = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+SLOT = 3
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
+    """A random Qwen3 (GQA, q/k norm) with one LoRA slot attached to every target."""
+    directory = tmp_path_factory.mktemp("qwen3")
+    save_random_hf_model(Qwen3Config(**SHAPES), directory)
+    decoder = load_decoder(directory)
+    generator = torch.Generator().manual_seed(1)
+    for layer, _ in decoder.lora_targets().values():
+        A = 0.1 * torch.randn(4, layer.in_features, generator=generator)
+        B = 0.1 * torch.randn(layer.out_features, 4, generator=generator)
+        layer.attach(SLOT, A, B, scale=2.0)
+    return decoder
+
+
+def full_logits(decoder: Decoder, tokens: torch.Tensor, slot: int | None) -> torch.Tensor:
+    """Reference: the packed forward over the whole sequence alone."""
+    routing = LoRARouting.from_sequences([len(tokens)], [slot])
+    return decoder.logits(tokens, PackedSequences.from_lengths([len(tokens)]), routing)
+
+
+@torch.no_grad()
+def test_decode_logits_equal_the_packed_forward_at_every_position(decoder: Decoder) -> None:
+    torch.manual_seed(0)
+    lengths, prompt_lengths = (9, 14, 5, 11), (3, 6, 1, 6)  # two sequences share a prompt length
+    slots = (None, SLOT, SLOT, None)
+    sequences = [torch.randint(0, SHAPES["vocab_size"], (n,)) for n in lengths]
+    expected = [full_logits(decoder, seq, slot) for seq, slot in zip(sequences, slots, strict=True)]
+    cache = KVCache(decoder.config, "cpu", torch.float32)
+    rows = [cache.allocate(n) for n in lengths]
+
+    step = cache.prefill(rows, prompt_lengths)
+    prompts = torch.cat([seq[:p] for seq, p in zip(sequences, prompt_lengths, strict=True)])
+    routing = LoRARouting.from_sequences(prompt_lengths, slots)
+    hidden = decoder.forward_cached(prompts, step, routing)
+    for i, logits in enumerate(decoder.lm_head(hidden, routing).split(prompt_lengths)):
+        assert (logits - expected[i][: prompt_lengths[i]]).abs().max() < 1e-4
+
+    positions = list(prompt_lengths)
+    while active := [i for i in range(len(lengths)) if positions[i] < lengths[i]]:
+        # Batch order by slot, as the sampler orders it; not the cache-row order.
+        active.sort(key=lambda i: -1 if slots[i] is None else slots[i])
+        step = cache.decode([rows[i] for i in active])
+        tokens = torch.stack([sequences[i][positions[i]] for i in active])
+        routing = LoRARouting.from_sequences([1] * len(active), [slots[i] for i in active])
+        logits = decoder.lm_head(decoder.forward_cached(tokens, step, routing), routing)
+        for b, i in enumerate(active):
+            assert (logits[b] - expected[i][positions[i]]).abs().max() < 1e-4
+            positions[i] += 1
+    assert [cache.length(row) for row in rows] == list(lengths)
+
+
+@torch.no_grad()
+def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(decoder: Decoder) -> None:
+    torch.manual_seed(1)
+    sequence = torch.randint(0, SHAPES["vocab_size"], (8,))
+    expected = full_logits(decoder, sequence, None)
+    cache = KVCache(decoder.config, "cpu", torch.float32)
+    source = cache.allocate(8)
+    decoder.forward_cached(sequence[:5], cache.prefill([source], [5]))
+    copies = [cache.allocate(8) for _ in range(12)]  # more rows than the first allocation holds
+    for row in copies:
+        cache.copy_prefix(source, row)
+    cache.allocate(300)  # and a longer capacity, while rows hold tokens
+    assert cache.capacity >= 300
+
+    rows = [copies[-1], source, copies[0]]
+    for position in range(5, 8):
+        step = cache.decode(rows)
+        logits = decoder.lm_head(decoder.forward_cached(sequence[position].repeat(3), step))
+        assert (logits - expected[position]).abs().max() < 1e-4
+
+
+def test_rows_are_reused_lowest_first_and_storage_is_dropped_when_none_is_live(decoder: Decoder) -> None:
+    cache = KVCache(decoder.config, "cpu", torch.float32)
+    rows = [cache.allocate(10) for _ in range(3)]
+    assert rows == [0, 1, 2]
+    cache.free(1)
+    assert cache.allocate(10) == 1
+    for row in rows:
+        cache.free(row)
+    assert cache.num_live_rows == 0 and cache.capacity == 0
+    with pytest.raises(ValueError, match="row 0 is not live"):
+        cache.decode([0])
+
+
+def test_a_row_refuses_tokens_beyond_its_allocation(decoder: Decoder) -> None:
+    cache = KVCache(decoder.config, "cpu", torch.float32)
+    row = cache.allocate(2)
+    with torch.no_grad():
+        decoder.forward_cached(torch.tensor([1, 2]), cache.prefill([row], [2]))
+    with pytest.raises(ValueError, match="allocated for 2 tokens"):
+        cache.decode([row])
+
+
+def test_decode_attention_equals_softmax_over_each_rows_prefix() -> None:
+    """Reference: explicit softmax(q kᵀ/√H) v per sequence over its visible prefix, kv heads repeated."""
+    torch.manual_seed(2)
+    R, N, K, C, H = 5, 4, 2, 12, 8
+    k_cache, v_cache = torch.randn(R, K, C, H), torch.randn(R, K, C, H)
+    rows, lengths = [3, 0, 4], [7, 1, 12]  # row 1 and 2 are not in the step
+    visible = torch.zeros(R, C, dtype=torch.bool)
+    for row, length in zip(rows, lengths, strict=True):
+        visible[row, :length] = True
+    visible[[1, 2], 0] = True
+    q = torch.randn(len(rows), N, H)
+    expected = []
+    for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        k = k_cache[row, :, :length].repeat_interleave(N // K, dim=0)  # (N, length, H)
+        v = v_cache[row, :, :length].repeat_interleave(N // K, dim=0)
+        weights = (torch.einsum("nh,nlh->nl", q[b], k) / H**0.5).softmax(-1)
+        expected.append(torch.einsum("nl,nlh->nh", weights, v))
+    out = decode_attention(q, k_cache, v_cache, torch.tensor(rows), visible)
+    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-5, atol=1e-5)
