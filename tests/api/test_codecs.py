@@ -6,11 +6,16 @@ import numpy as np
 import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
-from tinker.proto.response_conv import deserialize_forward_backward_output
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
-from loraplex.api.codecs import decode_forward_backward, encode_forward_backward_output
+from loraplex.api.codecs import (
+    decode_forward_backward,
+    encode_forward_backward_output,
+    encode_sample_response,
+)
 from loraplex.errors import UserError
 from loraplex.runtime.commands import PassResult
+from loraplex.runtime.sampling import SampledSequence, SampleResult
 
 
 def _sdk_bytes(datum: types.Datum, loss_fn: str = "ppo", config: dict | None = None) -> bytes:
@@ -74,3 +79,32 @@ def test_outputs_of_mixed_shapes_reach_the_sdk_in_datum_order() -> None:
     shapes = [out["logprobs"].shape for out in decoded.loss_fn_outputs]
     assert shapes == [[2], [2, 2], [1]]
     assert decoded.loss_fn_outputs[1]["logprobs"].data == [-1.0, -3.0, -4.0, -5.0]
+
+
+def test_a_sample_result_reaches_the_sdk_with_int32_tokens_float32_logprobs_and_unscored_positions_none() -> (
+    None
+):
+    nan = np.nan
+    result = SampleResult(
+        sequences=[
+            SampledSequence(np.array([7, 300], np.int32), np.array([-0.5, -1.25], np.float32), "length"),
+            SampledSequence(np.array([9], np.int32), np.array([-2.0], np.float32), "stop"),
+        ],
+        prompt_logprobs=np.array([nan, -3.0, -4.5], np.float32),
+        topk_prompt_ids=np.array([[-1, -1], [4, 2], [5, -1]], np.int32),
+        topk_prompt_logprobs=np.array([[nan, nan], [-0.1, -2.0], [-0.7, nan]], np.float32),
+    )
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in decoded.sequences] == [
+        ([7, 300], [-0.5, -1.25], "length"),
+        ([9], [-2.0], "stop"),
+    ]
+    assert decoded.prompt_logprobs == [None, -3.0, -4.5]
+    topk = [None, [(4, pytest.approx(-0.1)), (2, -2.0)], [(5, pytest.approx(-0.7))]]
+    assert decoded.topk_prompt_logprobs == topk
+
+
+def test_a_sample_result_without_prompt_scores_has_none_of_them_on_the_wire() -> None:
+    result = SampleResult([SampledSequence(np.array([1], np.int32), np.array([-1.0], np.float32), "stop")])
+    decoded = deserialize_sample_response(encode_sample_response(result))
+    assert (decoded.prompt_logprobs, decoded.topk_prompt_logprobs) == (None, None)

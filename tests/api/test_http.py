@@ -1,17 +1,20 @@
 """HTTP behaviour the SDK depends on, in-process over the fake engine: status codes with bodies,
-long-poll then try_again, zstd bodies, JSON fallback, auth."""
+long-poll then try_again, zstd bodies, JSON fallback, auth, sampling futures and 429 backpressure."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import zstandard
 from fastapi.testclient import TestClient
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.proto.response_conv import deserialize_sample_response
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
@@ -124,13 +127,78 @@ def test_heartbeats_after_finish_answer_410_so_the_sdk_stops_them(http: TestClie
     )
 
 
-def test_sampling_answers_a_clear_user_error_until_the_engine_has_a_sampler(http: TestClient) -> None:
-    run = _run(http)
-    session = run.split(":")[0]
+def _sampler(http: TestClient) -> str:
+    session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
     body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "fake/bigram"}
-    sampler = http.post("/api/v1/create_sampling_session", json=body, headers=KEY).json()[
-        "sampling_session_id"
-    ]
-    assert http.get(f"/api/v1/samplers/{sampler}", headers=KEY).json()["base_model"] == "fake/bigram"
-    reply = http.post("/api/v1/asample", json={"sampling_session_id": sampler}, headers=KEY)
-    assert reply.status_code == 400 and "no sampler" in reply.json()["detail"]
+    sampler = http.post("/api/v1/create_sampling_session", json=body, headers=KEY).json()
+    assert http.get(f"/api/v1/samplers/{sampler['sampling_session_id']}", headers=KEY).json() == {
+        "sampler_id": sampler["sampling_session_id"],
+        "base_model": "fake/bigram",
+        "model_path": None,
+    }
+    return sampler["sampling_session_id"]
+
+
+def _asample(http: TestClient, sampler: str, seq_id: int = 0, **fields) -> httpx.Response:
+    body = {
+        "sampling_session_id": sampler,
+        "seq_id": seq_id,
+        "num_samples": 3,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "sampling_params": {"max_tokens": 4, "seed": 1, "temperature": 1.0, "top_k": -1, "top_p": 1.0},
+        "prompt_logprobs": True,
+        **fields,
+    }
+    return http.post("/api/v1/asample", json=body, headers=KEY)
+
+
+def test_asample_promises_a_sequence_id_per_sample_and_answers_in_protobuf_or_json(http: TestClient) -> None:
+    future = _asample(http, _sampler(http)).json()
+    assert future["sample_sequence_ids"] == [f"{future['request_id']}:{i}" for i in range(3)]
+    proto = http.post(
+        "/api/v1/retrieve_future",
+        json={"request_id": future["request_id"]},
+        headers={**KEY, "Accept": "application/x-protobuf"},
+    )
+    decoded = deserialize_sample_response(proto.content)
+    assert [(len(s.tokens), s.stop_reason) for s in decoded.sequences] == [(4, "length")] * 3
+    as_json = _retrieve(http, future["request_id"])
+    assert [s["tokens"] for s in as_json["sequences"]] == [s.tokens for s in decoded.sequences]
+    assert as_json["prompt_logprobs"][0] is None and as_json["prompt_logprobs"][1:] == pytest.approx(
+        decoded.prompt_logprobs[1:]
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
+        ({"prompt_alt_tokens_k": 1}, "prompt_alt_tokens_k"),
+        ({"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "'image'"),
+        ({"num_samples": 0}, "num_samples"),
+    ],
+)
+def test_a_sampling_request_this_server_cannot_serve_is_a_400_naming_the_field(
+    http: TestClient, fields: dict, named: str
+) -> None:
+    reply = _asample(http, _sampler(http), **fields)
+    assert reply.status_code == 400 and named in reply.json()["detail"]
+
+
+class _StalledSampler(FakeEngine):
+    """Sampling never finishes, so the queue stays full."""
+
+    def step_sampler(self, max_prefill_tokens=None):
+        time.sleep(0.001)
+        return []
+
+
+def test_a_full_sampling_queue_answers_429_with_a_body_and_leaves_retrying_to_the_sdk(tmp_path: Path) -> None:
+    config = ServerConfig(data_dir=tmp_path, max_queued_samples=3)
+    with TestClient(create_app(TrainingService.open(_StalledSampler(), config))) as http:
+        sampler = _sampler(http)
+        assert _asample(http, sampler, 0).status_code == 200
+        refused = _asample(http, sampler, 1, num_samples=1)
+        assert refused.status_code == 429 and "3 samples are queued" in refused.json()["detail"]
+        assert "x-should-retry" not in refused.headers
+        assert _asample(http, sampler, 0).status_code == 200  # the accepted request's resend still answers

@@ -132,6 +132,13 @@ def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield start()
 
 
+@pytest.fixture(scope="module")
+def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
+    """start_module_server(*args) -> a healthy Server shared by a module's tests, stopped after them."""
+    with _servers(tmp_path_factory.mktemp("server")) as start:
+        yield start
+
+
 @pytest.fixture(scope="session")
 def postgres_url_prefix() -> Iterator[str]:
     """One throwaway PostgreSQL cluster for the session (Debian's server, installed by .ci/run if absent)."""

@@ -13,17 +13,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from loraplex.api.routes import futures, rest, sampling, service, training
-from loraplex.errors import CapacityError, LoraplexError
+from loraplex.errors import CapacityError, LoraplexError, UserError
 from loraplex.runtime.service import TrainingService
 
 log = logging.getLogger(__name__)
 
 
 def status_of(error: LoraplexError) -> int:
-    """HTTP status of an error: a UserError carries its 4xx; capacity is 503 (retried); else 500."""
-    if isinstance(error, CapacityError):
-        return 503
-    return getattr(error, "status_code", 500)
+    """HTTP status of an error: its own status_code if it has one (a UserError's 4xx, sampling
+    backpressure's 429, the only 429); else 503 for capacity (retried) and 500 for the rest."""
+    return getattr(error, "status_code", 503 if isinstance(error, CapacityError) else 500)
 
 
 async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
@@ -31,8 +30,8 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
     status = status_of(error)
     if status >= 500:
         log.error("server error: %r", error)
-    # x-should-retry tells the SDK's HTTP layer not to retry a permanent (4xx) error.
-    headers = {"x-should-retry": "false"} if status < 500 else {}
+    # x-should-retry tells the SDK's HTTP layer not to retry a permanent (user) error.
+    headers = {"x-should-retry": "false"} if isinstance(error, UserError) else {}
     return JSONResponse({"detail": str(error)}, status_code=status, headers=headers)
 
 

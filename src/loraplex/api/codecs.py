@@ -1,4 +1,5 @@
-"""Protobuf codecs of forward_backward: request bytes (maybe zstd) -> Pass command; PassResult -> proto bytes.
+"""Protobuf codecs: forward_backward request bytes (maybe zstd) -> Pass command; PassResult ->
+ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON forms.
 
 Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
 buffers. numpy only, no tensors; shape checks against the model are the engine's (validate_pass_request).
@@ -15,6 +16,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from loraplex.errors import UserError
 from loraplex.runtime.commands import DatumInput, Pass, PassResult
+from loraplex.runtime.sampling import SampleResult
 
 MAX_BODY_BYTES = 512 * 1024 * 1024  # after decompression; the SDK sends one datum alone if it is larger
 
@@ -24,6 +26,9 @@ _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_INT32: np.dtype("<i4"),
 }
 _PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# What an unscored top-k cell reads as on the wire (tinker-protocol.md §5 TopkLogprobs).
+_TOPK_EMPTY_ID, _TOPK_EMPTY_LOGPROB = 0, -99999.0
 
 
 class PayloadTooLargeError(UserError):
@@ -170,3 +175,50 @@ def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
         for out in result.outputs
     ]
     return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": result.metrics}
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """A SampleResponse: int32 tokens and float32 logprobs per sequence; prompt scores when asked."""
+    msg = pb.SampleResponse()
+    for sequence in result.sequences:
+        msg.sequences.add(
+            stop_reason=_STOP_REASONS[sequence.stop_reason],
+            tokens=np.ascontiguousarray(sequence.tokens, "<i4").tobytes(),
+            logprobs=np.ascontiguousarray(sequence.logprobs, "<f4").tobytes(),
+        )
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.ascontiguousarray(result.prompt_logprobs, "<f4").tobytes()
+    if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
+        ids, logprobs = _topk_on_wire(result.topk_prompt_ids, result.topk_prompt_logprobs)
+        length, k = ids.shape
+        msg.topk_prompt_logprobs.CopyFrom(
+            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=length)
+        )
+    return msg.SerializeToString()
+
+
+def _topk_on_wire(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unscored cells (id -1, logprob NaN) become the wire's sentinel (id 0, logprob -99999)."""
+    empty = ids < 0
+    return (
+        np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_ID, ids), "<i4"),
+        np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_LOGPROB, logprobs), "<f4"),
+    )
+
+
+def sample_response_json(result: SampleResult) -> dict[str, Any]:
+    """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl."""
+    sequences = [
+        {"stop_reason": s.stop_reason, "tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist()}
+        for s in result.sequences
+    ]
+    prompt = None
+    if result.prompt_logprobs is not None:
+        prompt = [None if np.isnan(v) else float(v) for v in result.prompt_logprobs]
+    topk = None
+    if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
+        topk = [
+            [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
+            for ids, lps in zip(result.topk_prompt_ids, result.topk_prompt_logprobs, strict=True)
+        ]
+    return {"type": "sample", "sequences": sequences, "prompt_logprobs": prompt, "topk_prompt_logprobs": topk}

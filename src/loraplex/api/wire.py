@@ -10,8 +10,10 @@ import secrets
 from datetime import datetime
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
+from loraplex.errors import UserError
 from loraplex.runtime.catalog import CheckpointView, RunView
 from loraplex.runtime.checkpoints import CheckpointPath
 from loraplex.runtime.commands import (
@@ -24,6 +26,7 @@ from loraplex.runtime.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.sampling import SampleRequest, SamplingParams
 
 
 class WireModel(BaseModel):
@@ -169,8 +172,68 @@ class CreateSamplingSessionRequest(WireModel):
     base_model: str | None = None
 
 
-class SampleRequest(WireModel):
+class WireChunk(WireModel):
+    type: str
+    tokens: list[int] | None = None  # encoded_text only
+
+
+class WireModelInput(WireModel):
+    chunks: list[WireChunk]
+
+    def to_tokens(self) -> np.ndarray:
+        for i, chunk in enumerate(self.chunks):
+            if chunk.type != "encoded_text" or chunk.tokens is None:
+                raise UserError(f"prompt.chunks[{i}] is {chunk.type!r}; this server samples encoded_text")
+        return np.array([t for chunk in self.chunks for t in chunk.tokens or ()], np.int64)
+
+
+class WireSamplingParams(WireModel):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None  # None = EOS; [] = max_tokens only
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def to_params(self) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        values = self.model_dump(exclude={"stop"})
+        return SamplingParams(**values, stop=tuple(stop) if stop is not None else None)
+
+
+class AsampleRequest(WireModel):
+    """asample; the 0.38.0 SDK always addresses a sampling session (never model_path / base_model)."""
+
     sampling_session_id: str
+    seq_id: int = Field(ge=0)
+    num_samples: int = 1
+    prompt: WireModelInput
+    sampling_params: WireSamplingParams = Field(default_factory=WireSamplingParams)
+    prompt_logprobs: bool | None = False
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    # Not served: refused by name rather than silently ignored.
+    topk_sample_logprobs: int = 0
+    prompt_alt_tokens_k: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+
+    def to_request(self) -> SampleRequest:
+        unsupported = {
+            "topk_sample_logprobs": self.topk_sample_logprobs != 0,
+            "prompt_alt_tokens_k": self.prompt_alt_tokens_k != 0,
+            "target_prompt_logprobs": self.target_prompt_logprobs is not None,
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                raise UserError(f"{name} is not supported by this server; leave it at its default")
+        return SampleRequest(
+            prompt=self.prompt.to_tokens(),
+            params=self.sampling_params.to_params(),
+            num_samples=self.num_samples,
+            prompt_logprobs=bool(self.prompt_logprobs),
+            topk_prompt_logprobs=self.topk_prompt_logprobs,
+            prompt_logprobs_last_n=self.prompt_logprobs_last_n,
+        )
 
 
 class WeightsInfoRequest(WireModel):

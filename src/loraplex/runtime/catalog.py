@@ -9,13 +9,14 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import NotFoundError
 from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout
 from loraplex.runtime.store import Store, as_utc
-from loraplex.runtime.store.schema import CheckpointRow, RunRow
+from loraplex.runtime.store.schema import CheckpointRow, RunRow, SamplerRow
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,13 @@ class RunView:
 
 @dataclass(frozen=True)
 class SamplerView:
-    """A sampling session."""
+    """A sampling session and where its weights live."""
 
     sampler_id: str
     base_model: str
     model_path: str | None
+    snapshot: Path | None  # the PEFT snapshot directory it samples; None = the base model alone
+    export_from: CheckpointPath | None  # a training checkpoint that is exported into `snapshot` on first use
 
 
 class Catalog:
@@ -96,7 +99,20 @@ class Catalog:
         row = self._store.get_sampler(sampler_id)
         if row is None or row.tenant != tenant:
             raise NotFoundError(f"sampler {sampler_id!r} not found")
-        return SamplerView(row.id, row.base_model, row.model_path)
+        return SamplerView(row.id, row.base_model, row.model_path, *self._weights_of(row))
+
+    def _weights_of(self, row: SamplerRow) -> tuple[Path | None, CheckpointPath | None]:
+        """A sampler's snapshot directory and, for a training checkpoint, the source to export into it."""
+        if row.snapshot_dir is not None:  # an unnamed save_weights_for_sampler
+            return Path(row.snapshot_dir), None
+        if row.model_path is None:
+            return None, None
+        source = CheckpointPath.parse(row.model_path)
+        if source.kind == "sampler_weights":
+            return self._layout.checkpoint_dir(source), None
+        # A training checkpoint holds weights + optimizer state, not a PEFT snapshot: the sampler gets
+        # its own export, made once on first use (immutable, like every snapshot).
+        return self._layout.snapshot_dir(row.id), source
 
     def _run_row(self, tenant: str, run_id: str) -> RunRow:
         row = self._store.get_run(run_id)

@@ -15,17 +15,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.engine.types import PassResult
 from loraplex.errors import NotFoundError, UserError
 from loraplex.runtime.store import Store, utcnow
-from loraplex.runtime.store.results import decode_result, encode_result
+from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
 
 log = logging.getLogger(__name__)
 
 PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
-
-Result = dict[str, Any] | PassResult
 
 
 @dataclass

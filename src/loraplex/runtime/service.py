@@ -1,15 +1,17 @@
 """TrainingService: the runtime's face to the API. Submissions are checked, queued and answered at once
 with a future; the engine worker does the rest.
 
-Every method is cheap and never touches the engine's state (only `validate_pass_request`, which is
-pure). A request that fails validation still consumes its seq_id, as a failed future, so the run's
-later requests are not held forever. No tensors, no HTTP.
+Every method is cheap and never touches the engine's state (only the engine's `validate_*_request`
+checks, which are pure). A training request that fails validation still consumes its seq_id, as a
+failed future, so the run's later requests are not held forever; a sampling request has no order to
+keep, so it is refused at once (4xx with a body). No tensors, no HTTP.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine, EngineInfo
@@ -29,6 +31,7 @@ from loraplex.runtime.commands import (
 from loraplex.runtime.futures import FutureRecord, FutureTable
 from loraplex.runtime.keys import TenantResolver
 from loraplex.runtime.run_queue import LOST, PARKED, Entry, RunQueue, RunState
+from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleRequest
 from loraplex.runtime.scheduler import Scheduler
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
@@ -52,6 +55,7 @@ class TrainingService:
         self.tenants = TenantResolver(store, config.auth)
         self._cond = threading.Condition()
         self._runs: dict[str, RunState] = {}
+        self.samples = SampleQueue(config.max_queued_samples)
         self._recover()
         self.worker = EngineWorker(
             engine,
@@ -61,6 +65,8 @@ class TrainingService:
             self.layout,
             Scheduler(config.pass_token_budget),
             self._runs,
+            self.samples,
+            config.max_prefill_tokens,
             self._cond,
         )
 
@@ -164,10 +170,23 @@ class TrainingService:
         )
         return sampler_id
 
-    def sample(self, tenant: str, sampler_id: str) -> FutureRecord:
-        """Sampling is refused, clearly, until the engine has a sampler (Engine.sample)."""
-        self.catalog.sampler(tenant, sampler_id)
-        raise UserError("sampling is not available on this server yet: its engine has no sampler")
+    def sample(self, tenant: str, sampler_id: str, seq_id: int, request: SampleRequest) -> FutureRecord:
+        """Queue an asample on one of the tenant's samplers; a resent (sampler, seq_id) gets its first future.
+
+        SamplingBackpressureError (429, which the SDK resends) when too much sampling is queued.
+        """
+        sampler = self.catalog.sampler(tenant, sampler_id)
+        job_request = replace(request, snapshot=sampler.snapshot)
+        with self._cond:  # held throughout, so two copies of one request cannot both be queued
+            if (first := self.store.future_id_for(sampler_id, seq_id)) is not None:
+                return self.futures.get(first, tenant)
+            # A pending export has no snapshot on disk yet; everything else about the request is checked now.
+            self.engine.validate_sample_request(job_request if sampler.export_from is None else request)
+            self.samples.check_room(request.num_samples)
+            record = self.futures.create(tenant, "Sample", sampler_id, seq_id)
+            self.samples.add(SampleJob(record.id, tenant, job_request, sampler.export_from))
+            self._cond.notify_all()
+        return record
 
     # --- internals
     def _enqueue(

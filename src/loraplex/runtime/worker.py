@@ -1,5 +1,8 @@
-"""The engine worker: the one thread that calls the Engine, executing the scheduler's plans.
+"""The engine worker: the one thread that calls the Engine, executing the scheduler's plans and sampling.
 
+Each cycle runs one training plan (at most one packed pass and one fused step), hands newly queued
+sampling requests to the engine and runs one sampler step, so decoding and training interleave and
+neither starves; sampling reads immutable snapshots, so it never waits for a training barrier.
 It also parks runs whose session lease expired (state to disk, slot freed) and brings parked runs
 back before their next command. Every engine call happens here, never on the event loop.
 No tensors: it moves numpy-level dataclasses between commands and the Engine interface.
@@ -29,6 +32,7 @@ from loraplex.runtime.commands import (
 )
 from loraplex.runtime.futures import FutureTable
 from loraplex.runtime.run_queue import LIVE, LOST, PARKED, Entry, RunState
+from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleResult
 from loraplex.runtime.scheduler import BarrierWork, OptimWork, PassWork, Scheduler, Work
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
@@ -59,10 +63,13 @@ class EngineWorker:
         layout: DiskLayout,
         scheduler: Scheduler,
         runs: dict[str, RunState],
+        samples: SampleQueue,
+        max_prefill_tokens: int,
         cond: threading.Condition,
     ) -> None:
         self.engine, self.store, self.futures, self.sessions = engine, store, futures, sessions
         self.layout, self.scheduler, self.runs, self.cond = layout, scheduler, runs, cond
+        self.samples, self.max_prefill_tokens = samples, max_prefill_tokens
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="loraplex-engine", daemon=True)
 
@@ -84,10 +91,15 @@ class EngineWorker:
                 if self._stopping:
                     return
                 plan = self.scheduler.plan(list(self.runs.values()))
-                if not plan:
+                arrivals = self.samples.take_waiting()
+                if not plan and not arrivals and not self.engine.has_sampling_work():
                     self.cond.wait(timeout=_LEASE_CHECK_S)
             for work in plan:
                 self._execute(work)
+            for job in arrivals:
+                self._admit(job)
+            if self.engine.has_sampling_work():
+                self._step_sampler()
             if time.monotonic() >= next_lease_check:
                 next_lease_check = time.monotonic() + _LEASE_CHECK_S
                 self._park_expired()
@@ -186,6 +198,48 @@ class EngineWorker:
             )
             return {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
         raise ServerError(f"no executor for command {type(cmd).__name__}")
+
+    # --- sampling
+    def _admit(self, job: SampleJob) -> None:
+        """Hand one request to the engine, exporting its training checkpoint first if it needs one."""
+        try:
+            snapshot = job.request.snapshot
+            if job.export_from is not None and snapshot is not None and not snapshot.exists():
+                self._export_snapshot(job.export_from, snapshot, job.tenant)
+            self.engine.add_sample(job.future_id, job.request)
+        except Exception as exc:
+            self._finish_sample(job.future_id, exc)
+
+    def _export_snapshot(self, source: CheckpointPath, target: Path, tenant: str) -> None:
+        """A PEFT snapshot of a training checkpoint: load it into a spare slot, snapshot it, free the slot."""
+        slot, _ = self._with_capacity(  # type: ignore[misc]
+            lambda: self.engine.load_state(self.layout.checkpoint_dir(source), owner_digest(tenant), False)
+        )
+        try:
+            _write_replacing(target, lambda d: self.engine.save_snapshot(slot, d))
+        finally:
+            self.engine.free_slot(slot)
+
+    def _step_sampler(self) -> None:
+        try:
+            finished = self.engine.step_sampler(self.max_prefill_tokens)
+        except Exception as exc:  # the engine dropped every request it held: fail them all
+            log.exception("sampler step failed")
+            with self.cond:
+                dropped = self.samples.active_ids()
+            for future_id in dropped:
+                self._finish_sample(future_id, exc)
+            return
+        for future_id, result in finished:
+            self._finish_sample(future_id, result)
+
+    def _finish_sample(self, future_id: str, outcome: SampleResult | Exception) -> None:
+        with self.cond:
+            self.samples.finish(future_id)
+        if isinstance(outcome, Exception):
+            self.futures.fail(future_id, outcome)
+        else:
+            self.futures.complete(future_id, outcome)
 
     # --- checkpoints
     def _save_checkpoint(

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from loraplex.api.auth import Service, Tenant
-from loraplex.api.codecs import encode_forward_backward_output, forward_backward_output_json
+from loraplex.api.codecs import (
+    encode_forward_backward_output,
+    encode_sample_response,
+    forward_backward_output_json,
+    sample_response_json,
+)
 from loraplex.api.wire import RetrieveFutureRequest
 from loraplex.runtime.commands import PassResult
+from loraplex.runtime.sampling import SampleResult
 
 router = APIRouter()
 
 PROTOBUF = "application/x-protobuf"
+
+# Results the 0.38.0 SDK reads as protobuf (it asks with Accept); other clients get their JSON form.
+_ENCODINGS: dict[type, tuple[Callable[[Any], bytes], Callable[[Any], dict[str, Any]]]] = {
+    PassResult: (encode_forward_backward_output, forward_backward_output_json),
+    SampleResult: (encode_sample_response, sample_response_json),
+}
 
 
 @router.post("/retrieve_future")
@@ -24,8 +39,9 @@ async def retrieve_future(
         return JSONResponse({"type": "try_again", "request_id": record.id, "queue_state": "active"})
     if record.status == "failed":
         return JSONResponse({"error": record.error, "category": record.category})
-    if isinstance(record.result, PassResult):
-        if PROTOBUF in request.headers.get("accept", ""):
-            return Response(encode_forward_backward_output(record.result), media_type=PROTOBUF)
-        return JSONResponse(forward_backward_output_json(record.result))
-    return JSONResponse(record.result)
+    if (encodings := _ENCODINGS.get(type(record.result))) is None:
+        return JSONResponse(record.result)
+    to_proto, to_json = encodings
+    if PROTOBUF in request.headers.get("accept", ""):
+        return Response(to_proto(record.result), media_type=PROTOBUF)
+    return JSONResponse(to_json(record.result))

@@ -1,5 +1,5 @@
-"""Sampling routes: sampling sessions exist and resolve; asample answers a clear user error until the
-engine has a sampler (the sampler records, ids and owner checks are already in place)."""
+"""Sampling routes: sampling sessions (create, describe) and asample, answered at once with a future that
+promises one sequence id per sample; the SampleResponse comes from retrieve_future."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 from fastapi import APIRouter
 
 from loraplex.api.auth import Service, Tenant
-from loraplex.api.wire import CreateSamplingSessionRequest, SampleRequest
+from loraplex.api.wire import AsampleRequest, CreateSamplingSessionRequest
+from loraplex.runtime.sampling import sample_sequence_ids
 
 router = APIRouter()
 
@@ -30,6 +31,6 @@ async def get_sampler(sampler_id: str, service: Service, tenant: Tenant) -> dict
 
 
 @router.post("/asample")
-async def asample(body: SampleRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    record = service.sample(tenant, body.sampling_session_id)
-    return {"request_id": record.id}
+async def asample(body: AsampleRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    record = service.sample(tenant, body.sampling_session_id, body.seq_id, body.to_request())
+    return {"request_id": record.id, "sample_sequence_ids": sample_sequence_ids(record.id, body.num_samples)}

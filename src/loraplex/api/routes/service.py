@@ -38,7 +38,7 @@ async def capabilities(service: Service) -> dict[str, Any]:
         "model_name": info.model_name,
         "max_context_length": info.max_context_length,
         "trainable": True,
-        "sampleable": False,
+        "sampleable": True,
     }
     return {"supported_models": [model]}
 

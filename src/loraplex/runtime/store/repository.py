@@ -212,7 +212,7 @@ class Store:
         return self._get(FutureRow, future_id)
 
     def future_id_for(self, run_id: str, seq_id: int) -> str | None:
-        """The future of a run's seq_id, if one was ever submitted."""
+        """The future of a run's (or a sampler's) seq_id, if one was ever submitted."""
         rows = self._all(select(FutureRow.id).where(FutureRow.run_id == run_id, FutureRow.seq_id == seq_id))
         return rows[0] if rows else None
 

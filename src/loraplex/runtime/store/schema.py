@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, DateTime, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -101,15 +101,17 @@ class FutureRow(Base):
 
     __tablename__ = "futures"
     # Dedup under concurrent retries: a (run, seq_id) may own at most one future, even across a
-    # restart, so a resent request finds the first future instead of running twice. NULLs (sampling,
-    # session-level requests) are distinct, so they are not constrained.
+    # restart, so a resent request finds the first future instead of running twice. Sampling requests
+    # use the sampler id as run_id (sampler and run ids never collide: ":sample:" vs ":train:"), so the
+    # same constraint dedups (sampler, seq_id). NULLs (session-level requests) are not constrained.
     __table_args__ = (UniqueConstraint("run_id", "seq_id", name="uq_future_run_seq"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(128))
     request_type: Mapped[str] = mapped_column(String(64))
-    run_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
-    seq_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    run_id: Mapped[str | None] = mapped_column(String(200), nullable=True)  # training run or sampler
+    # 64-bit: a cloned SamplingClient numbers its requests from clone_id * 1e9.
+    seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     status: Mapped[str] = mapped_column(String(16))  # pending | complete | failed
     # Text, not JSON: results are written once and only ever read back whole, by the API's codec.
     result: Mapped[str | None] = mapped_column(Text, nullable=True)
