@@ -1,22 +1,31 @@
-"""The `loraplex` command: subcommands `serve` and `keys`, each registered by a small function.
+"""The `loraplex` command: subcommands `serve`, `engine-worker`, `keys` and `demo`, each registered by a
+small function.
 
-To add a subcommand (bench, demo, engine-worker), write `_add_<name>(subparsers)` that sets
+To add a subcommand (e.g. bench), write `_add_<name>(subparsers)` that sets
 `handler=` on its parser and list it in SUBCOMMANDS. Server options come from ServerConfig's fields,
-so a field's description is its --help text. The engine is imported lazily, only by `serve`.
+so a field's description is its --help text. The engine is imported lazily, only by the commands that
+run it (`serve`, `engine-worker`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.config import ServerConfig
-from loraplex.errors import UserError
+from loraplex.errors import ServerError, UserError
+
+if TYPE_CHECKING:
+    from loraplex.engine.distributed.group import RankEnv
+    from loraplex.engine.distributed.launch import LocalRanks
+    from loraplex.engine.local import LocalEngine
 
 log = logging.getLogger("loraplex")
 
@@ -43,6 +52,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**given)
 
 
+def config_to_args(config: ServerConfig, only: Sequence[str]) -> list[str]:
+    """The command-line options that give `config`'s `only` fields their values (None fields omitted)."""
+    args = []
+    for name in only:
+        value = getattr(config, name)
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
 # --- serve
 def _add_serve(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="Serve the Tinker API over one base model.")
@@ -51,13 +70,61 @@ def _add_serve(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from loraplex.engine.local import build_local_engine  # heavy (torch); only `serve` needs it
-
     config = config_from_args(args)
-    engine = build_local_engine(
-        config.model, config.data_dir, config.device, config.max_slots, config.max_rank, config.model_name
-    )
-    run_server(config, engine)
+    if config.nproc > 1:
+        from loraplex.engine.distributed.group import RankEnv, rank_device
+        from loraplex.engine.distributed.launch import LocalRanks
+
+        rank_device(config.device, config.nproc - 1)  # too few GPUs: a UserError here, not in a child
+        env = RankEnv.on_this_machine(config.nproc)
+        options = config_to_args(config, _ENGINE_OPTIONS)
+        worker = [sys.executable, "-m", "loraplex.cli", "engine-worker", *options]
+        return _serve_ranks(config, env, LocalRanks.spawn(worker, env))
+    run_server(config, _engine_builder(config)(config.device))
+    return 0
+
+
+def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
+    """Builds the configured model's LocalEngine on the device it is given (heavy imports: only here)."""
+    from loraplex.engine.local import build_local_engine
+
+    def build(device: str) -> LocalEngine:
+        return build_local_engine(
+            config.model, config.data_dir, device, config.max_slots, config.max_rank, config.model_name
+        )
+
+    return build
+
+
+def _serve_ranks(config: ServerConfig, env: RankEnv, local_ranks: LocalRanks | None) -> int:
+    """Serve as rank 0 of the engine ranks; exit 1 with the cause if a rank fails."""
+    from loraplex.engine.distributed.coordinator import start_coordinator
+
+    # A failed rank stops the server with SIGTERM (a second one while stopping does no harm, unlike
+    # Ctrl-C, which forces the exit). SIGTERM ends like Ctrl-C (uvicorn's graceful shutdown, then
+    # KeyboardInterrupt) rather than killing the process, so the ranks are shut down in order below.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        engine = start_coordinator(
+            env,
+            _engine_builder(config),
+            config.device,
+            config.rank_timeout_s,
+            on_failure=lambda _cause: os.kill(os.getpid(), signal.SIGTERM),
+            local_ranks=local_ranks,
+        )
+    except ServerError as exc:  # a rank died while starting (its own output says why)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        run_server(config, engine)
+    except KeyboardInterrupt:  # a stop before uvicorn took over the signals
+        pass
+    finally:
+        engine.close()
+    if engine.failure is not None:
+        print(f"error: {engine.failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -76,6 +143,34 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     )
     log.info("listening on http://%s:%d (Tinker base_url)", config.host, config.port)
     uvicorn.run(create_app(service), host=config.host, port=config.port, log_level="warning")
+
+
+# --- engine-worker
+# The ServerConfig fields a worker rank needs: what to load, where, and how long to wait on rank 0.
+_ENGINE_OPTIONS = ("model", "model_name", "device", "max_slots", "max_rank", "data_dir", "rank_timeout_s")
+
+
+def _add_engine_worker(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "engine-worker",
+        help="One data-parallel engine rank, as torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT); rank 0 serves the API with the serve options. `serve --nproc` starts these itself.",
+    )
+    _config_options(parser)
+    parser.set_defaults(handler=_engine_worker)
+
+
+def _engine_worker(args: argparse.Namespace) -> int:
+    from loraplex.engine.distributed.group import RankEnv
+    from loraplex.engine.distributed.worker import run_worker
+
+    config = config_from_args(args)
+    if config.nproc > 1:
+        raise UserError("engine-worker takes its rank and world size from torchrun; --nproc is for serve")
+    env = RankEnv.from_environ()
+    if env.rank == 0:
+        return _serve_ranks(config, env, local_ranks=None)
+    return run_worker(env, _engine_builder(config), config.device, config.rank_timeout_s)
 
 
 # --- keys
@@ -116,7 +211,16 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_serve, _add_keys]
+# --- demo
+def _add_demo(subparsers: Any) -> None:
+    from loraplex import demo  # light: the demo imports the SDK and matplotlib only when it runs
+
+    parser = subparsers.add_parser("demo", help=demo.HELP)
+    demo.add_arguments(parser)
+    parser.set_defaults(handler=demo.run)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_serve, _add_engine_worker, _add_keys, _add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

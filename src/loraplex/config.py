@@ -27,6 +27,20 @@ class ServerConfig(BaseModel):
     max_slots: int = Field(8, ge=1, description="Adapters (training runs) resident at once.")
     max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
 
+    # --- data parallelism (engine ranks; under torchrun the ranks come from its environment instead)
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="Engine ranks on this machine, data parallel (one GPU each on CUDA); 1 = one engine "
+        "in the server process.",
+    )
+    rank_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Longest an engine rank waits on another (start-up included) before the server gives up "
+        "and exits.",
+    )
+
     # --- network and auth
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
@@ -49,6 +63,17 @@ class ServerConfig(BaseModel):
 
     # --- scheduling and leases
     pass_token_budget: int = Field(16384, ge=1, description="Tokens packed into one engine pass (soft cap).")
+    max_prefill_tokens: int = Field(
+        8192,
+        ge=1,
+        description="Prompt tokens the sampler prefills between two training passes (beyond the first "
+        "prompt), so new prompts neither stall training nor the sequences already decoding.",
+    )
+    max_queued_samples: int = Field(
+        4096,
+        ge=1,
+        description="Samples queued or generating at once; past it asample answers 429 and the SDK resends.",
+    )
     long_poll_s: float = Field(30.0, gt=0, description="How long retrieve_future holds before try_again.")
     session_timeout_s: float = Field(
         300.0, gt=0, description="Heartbeat silence after which a session's runs are parked to disk."

@@ -6,7 +6,7 @@ import weakref
 import pytest
 import torch
 
-from loraplex.engine.slots import SlotPool
+from loraplex.engine.slots import OptimizerState, SlotPool
 from loraplex.engine.types import AdamParams, LoraConfig
 from loraplex.errors import CapacityError, NotFoundError, UserError
 from loraplex.model.hf_checkpoint import load_decoder
@@ -34,6 +34,10 @@ def pool(decoder):
     return SlotPool(decoder, max_slots=3, max_rank=8)
 
 
+def _is_zero(*tensors: torch.Tensor) -> bool:
+    return all(torch.count_nonzero(t) == 0 for t in tensors)
+
+
 def _train(decoder, slot: int, tokens: list[int]) -> None:
     """One forward + backward of a single sequence routed to `slot` (adds into its accumulators)."""
     routing = LoRARouting.from_sequences([len(tokens)], [slot])
@@ -54,8 +58,8 @@ def test_slot_holds_a_and_b_per_target_at_its_own_rank_under_peft_names(pool):
             assert layer.has_slot(slot)
         assert record.scale == 32.0 / rank
         assert record.adam.step == 0
-        assert all(torch.count_nonzero(t) == 0 for t in record.adam.exp_avg + record.adam.exp_avg_sq)
-        assert all(torch.count_nonzero(g) == 0 for g in record.adam.grads)
+        assert list(record.weights.values()) == record.adam.params
+        assert _is_zero(record.adam.grad_rows, record.adam.exp_avg_N, record.adam.exp_avg_sq_N)
 
 
 def test_a_is_the_peft_init_drawn_from_the_slot_seed(pool):
@@ -121,7 +125,33 @@ def test_backward_accumulates_only_into_the_routed_slots_gradients(pool, decoder
     assert torch.count_nonzero(pool.get(routed).weights["lm_head.lora_B.weight"].grad) > 0
     for acc, g in zip(pool.get(routed).adam.grads, first, strict=True):
         torch.testing.assert_close(acc, 2 * g)
-    assert all(torch.count_nonzero(g) == 0 for g in pool.get(idle).adam.grads)
+    assert _is_zero(pool.get(idle).adam.grad_rows)
+
+
+@pytest.mark.parametrize("change", ["step", "load_weights", "load_with_optimizer"])
+def test_backward_lands_in_the_flat_buffers_after_a_step_or_an_in_place_load(pool, decoder, change):
+    """The named tensors and their gradients stay views of the slot's flat buffers (what the fused step
+    reads and writes) through a step and through `assign`, the in-place load checkpoints use."""
+    slot = pool.create(LoraConfig(rank=4, seed=1))
+    record, adam = pool.get(slot), pool.get(slot).adam
+    _train(decoder, slot, [1, 2, 3])
+    if change == "step":
+        pool.step({slot: AdamParams(learning_rate=1e-2)})
+    else:
+        weights = {name: torch.full_like(t, 0.01) for name, t in record.weights.items()}
+        ones = {name: torch.ones_like(t) for name, t in record.weights.items()}
+        record.assign(weights, OptimizerState(ones, ones, 7) if change == "load_with_optimizer" else None)
+        assert torch.equal(adam.weights_N, torch.full_like(adam.weights_N, 0.01))
+        moment = 1.0 if change == "load_with_optimizer" else 0.0
+        assert torch.equal(adam.exp_avg_sq_N, torch.full_like(adam.exp_avg_sq_N, moment))
+    assert _is_zero(adam.grad_rows)
+
+    _train(decoder, slot, [4, 5, 6])
+
+    assert torch.count_nonzero(adam.grads_N) > 0
+    views = zip(record.weights.values(), adam.views(adam.weights_N), adam.views(adam.grads_N), strict=True)
+    for t, weight, grad in views:
+        assert t.data_ptr() == weight.data_ptr() and t.grad.data_ptr() == grad.data_ptr()
 
 
 def test_freed_slot_leaves_nothing_and_its_id_starts_fresh(pool, decoder):
@@ -132,7 +162,10 @@ def test_freed_slot_leaves_nothing_and_its_id_starts_fresh(pool, decoder):
         _train(decoder, slot, [5, 6, 7])
         pool.step({slot: AdamParams(learning_rate=1e-2)})
     _train(decoder, slot, [5, 6, 7])  # pending gradients at free time
-    tracked = [weakref.ref(t) for t in pool.get(slot).adam.params + pool.get(slot).adam.exp_avg]
+    adam = pool.get(slot).adam
+    buffers = [adam.weights_N, adam.grads_N, adam.grad_rows, adam.exp_avg_N, adam.exp_avg_sq_N]
+    tracked = [weakref.ref(t) for t in adam.params + buffers]
+    del adam, buffers
 
     pool.free(slot)
 
@@ -146,9 +179,7 @@ def test_freed_slot_leaves_nothing_and_its_id_starts_fresh(pool, decoder):
     record = pool.get(again)
     assert all(torch.equal(record.weights[name], t) for name, t in fresh.items())
     assert record.adam.step == 0
-    assert all(
-        torch.count_nonzero(t) == 0 for t in record.adam.exp_avg + record.adam.exp_avg_sq + record.adam.grads
-    )
+    assert _is_zero(record.adam.grad_rows, record.adam.exp_avg_N, record.adam.exp_avg_sq_N)
 
 
 def test_step_checks_every_slot_before_stepping_any(pool, decoder):

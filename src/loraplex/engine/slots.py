@@ -2,8 +2,9 @@
 
 A slot stores one A (R, in) and B (out, R) per targeted linear layer at its own rank (never padded),
 named as PEFT names them (`<module path>.lora_A.weight` / `.lora_B.weight`), and attaches them by
-reference to the decoder's `MultiLoRALinear` layers. Freeing a slot detaches and drops everything.
-No HTTP, no SQL; knows nothing of runs or tenants.
+reference to the decoder's `MultiLoRALinear` layers. The named tensors are views into the slot's flat
+optimizer buffers (`AdamSlot`), so the fused step sees one buffer per kind per slot. Freeing a slot
+detaches and drops everything. No HTTP, no SQL; knows nothing of runs or tenants.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class OptimizerState(NamedTuple):
 class Slot:
     """One live adapter: its config, its tensors by PEFT name, and the same tensors' AdamW state.
 
-    `weights` and `adam.params` hold the same tensor objects in the same order.
+    `weights` and `adam.params` hold the same tensor objects (views of `adam.weights_N`) in the same order.
     """
 
     config: LoraConfig
@@ -56,10 +57,10 @@ class Slot:
         return self.config.alpha / self.config.rank
 
     def optimizer_state(self) -> OptimizerState:
-        """The slot's AdamW state by weight name (the live tensors, not copies)."""
+        """The slot's AdamW state by weight name (views of the live buffers, not copies)."""
         return OptimizerState(
-            dict(zip(self.weights, self.adam.exp_avg, strict=True)),
-            dict(zip(self.weights, self.adam.exp_avg_sq, strict=True)),
+            dict(zip(self.weights, self.adam.views(self.adam.exp_avg_N), strict=True)),
+            dict(zip(self.weights, self.adam.views(self.adam.exp_avg_sq_N), strict=True)),
             self.adam.step,
         )
 
@@ -69,14 +70,15 @@ class Slot:
         AdamW (zero moments, step 0). Gradient accumulators are zeroed."""
         for name, param in self.weights.items():
             param.copy_(weights[name])
-            param.grad.zero_()
+        self.adam.grads_N.zero_()
         if optimizer is None:
-            torch._foreach_zero_(self.adam.exp_avg + self.adam.exp_avg_sq)
+            torch._foreach_zero_([self.adam.exp_avg_N, self.adam.exp_avg_sq_N])
             self.adam.step = 0
             return
-        for name, m, v in zip(self.weights, self.adam.exp_avg, self.adam.exp_avg_sq, strict=True):
-            m.copy_(optimizer.exp_avg[name])
-            v.copy_(optimizer.exp_avg_sq[name])
+        state = self.optimizer_state()
+        for name in self.weights:
+            state.exp_avg[name].copy_(optimizer.exp_avg[name])
+            state.exp_avg_sq[name].copy_(optimizer.exp_avg_sq[name])
         self.adam.step = optimizer.step
 
 
@@ -124,15 +126,12 @@ class SlotPool:
             )
         slot = free_ids[0]
         initial = init_slot_weights(self.targets, config.rank, config.seed, self._groups(config))
-        weights: dict[str, Tensor] = {}
-        for path, (A_RI, B_OR) in initial.items():
-            name_A, name_B = lora_names(path)
-            weights[name_A] = A_RI.to(self.device).requires_grad_()
-            weights[name_B] = B_OR.to(self.device).requires_grad_()
-        record = Slot(config, weights, AdamSlot.fresh(list(weights.values())))
+        adam = AdamSlot.fresh([t for pair in initial.values() for t in pair], self.device)
+        names = [name for path in initial for name in lora_names(path)]
+        record = Slot(config, dict(zip(names, adam.params, strict=True)), adam)
         for path in initial:
             name_A, name_B = lora_names(path)
-            self.targets[path][0].attach(slot, weights[name_A], weights[name_B], record.scale)
+            self.targets[path][0].attach(slot, record.weights[name_A], record.weights[name_B], record.scale)
         self._slots[slot] = record
         return slot
 

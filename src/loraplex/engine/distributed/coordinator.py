@@ -1,0 +1,309 @@
+"""Rank 0's engine: the Engine the runtime calls, spreading passes over the ranks and keeping replicas equal.
+
+Every adapter is replicated on every rank. Rank 0 validates each call before anything is sent, makes a
+change to a slot first (create, load) and then has the other ranks copy it, splits each pass's datums
+across the ranks by tokens, and steps with one flat gradient all-reduce. Saves, snapshots and sampling
+use rank 0's replica alone, so checkpoints are those of a single-rank engine.
+
+A watchdog thread pings idle ranks and watches local rank processes. When a rank dies, hangs past the
+timeout or diverges, the engine fails for good: the call in flight and every later one raise a
+ServerError saying so, and `on_failure` is told once (the server then exits; runs resume from their
+checkpoints after a restart). No HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from loraplex.engine.distributed.group import RankEnv, RankGroup, leave_group
+from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
+from loraplex.engine.distributed.protocol import (
+    Command,
+    FreeSlot,
+    OptimStep,
+    Ping,
+    RankError,
+    RunPass,
+    Shutdown,
+    SyncSlot,
+    gather_replies,
+    scatter_commands,
+)
+from loraplex.engine.distributed.replica import answer
+from loraplex.engine.distributed.sharding import merge_results, piece_requests, split_by_tokens
+from loraplex.engine.interface import Engine
+from loraplex.engine.local import LocalEngine
+from loraplex.engine.types import (
+    AdamParams,
+    LoraConfig,
+    PassRequest,
+    PassResult,
+    SampleRequest,
+    SampleResult,
+)
+from loraplex.errors import ServerError, UserError
+
+log = logging.getLogger(__name__)
+
+# How often the watchdog looks at local rank processes.
+_WATCH_S = 0.2
+# Longest quiet spell before the watchdog pings the ranks (capped at a quarter of the timeout).
+_HEARTBEAT_S = 5.0
+# How long a rank that just broke a collective may take to show up as exited, for a clearer message.
+_EXIT_GRACE_S = 1.0
+_SHUTDOWN_GRACE_S = 10.0
+
+
+class DistributedEngine(Engine):
+    """Rank 0 of N data-parallel engine ranks, over its own LocalEngine."""
+
+    def __init__(
+        self,
+        local: LocalEngine,
+        group: RankGroup,
+        timeout_s: float,
+        on_failure: Callable[[str], None],
+        local_ranks: LocalRanks | None = None,
+    ) -> None:
+        self.local = local
+        self.info = dataclasses.replace(
+            local.info, device=f"{local.info.device} (data parallel over {group.world_size} ranks)"
+        )
+        self._group = group
+        self._on_failure = on_failure
+        self._local_ranks = local_ranks
+        self._heartbeat_s = min(_HEARTBEAT_S, timeout_s / 4)
+        self._lock = threading.Lock()  # one exchange at a time: the runtime's thread or the watchdog
+        self._failure: str | None = None
+        self._failure_lock = threading.Lock()
+        self._last_exchange = time.monotonic()
+        self._closing = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="loraplex-rank-watchdog", daemon=True)
+        self._watchdog.start()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped working, or None while it works."""
+        return self._failure
+
+    # --- passes and steps
+    def validate_pass_request(self, request: PassRequest) -> None:
+        """Raise UserError naming datum index, key and expectation; touches no state."""
+        self.local.validate_pass_request(request)
+
+    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+        """All requests in one pass spread over the ranks: each runs a contiguous share of the datums.
+
+        Semantics: equal to `LocalEngine.run_pass(requests)` on one rank. Rejected requests are answered
+        by rank 0 and never sent; per-datum outputs come back in order; metrics are recomputed from them
+        (sharding.py); each rank's training datums add into its own accumulators, which `optim_step` sums.
+        """
+        results: list[PassResult | UserError | None] = [None] * len(requests)
+        accepted: list[int] = []
+        for index, request in enumerate(requests):
+            try:
+                self.local.validate_pass_request(request)
+                accepted.append(index)
+            except UserError as error:
+                results[index] = error
+        if accepted:
+            chosen = [requests[i] for i in accepted]
+            shares = split_by_tokens(chosen, self._group.world_size)
+            replies = self._exchange([RunPass(piece_requests(chosen, pieces)) for pieces in shares])
+            merged = merge_results(
+                chosen, shares, [self._pass_results(r, rank) for rank, r in enumerate(replies)]
+            )
+            for index, result in zip(accepted, merged, strict=True):
+                results[index] = result
+        return results  # type: ignore[return-value]  # every request got its result or error above
+
+    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
+        """One fused AdamW step of the given slots on every rank, after one all-reduce of their gradients."""
+        if not steps:
+            return {}
+        for slot in steps:
+            self.local.pool.get(slot)  # NotFoundError before anything is sent
+        return self._exchange([OptimStep(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
+
+    # --- slots: changed on rank 0 first, then copied
+    def create_slot(self, config: LoraConfig) -> int:
+        """A fresh adapter on every rank, identical to rank 0's."""
+        self._raise_if_failed()
+        slot = self.local.create_slot(config)
+        self._sync(slot)
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        """Drop the slot on every rank."""
+        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        self._exchange([FreeSlot(slot)] * self._group.world_size)
+
+    def load_state(
+        self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
+    ) -> tuple[int, LoraConfig]:
+        """Rank 0 verifies and loads the checkpoint, then every rank copies the slot from rank 0."""
+        self._raise_if_failed()
+        slot, config = self.local.load_state(directory, owner_digest, with_optimizer, slot)
+        self._sync(slot)
+        return slot, config
+
+    def _sync(self, slot: int) -> None:
+        record = self.local.pool.get(slot)
+        command = SyncSlot(slot, record.config, record.optimizer_state().step)
+        self._exchange([command] * self._group.world_size)
+
+    # --- rank 0's replica alone
+    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
+        """Rank 0 writes the checkpoint, in the single-rank format."""
+        return self.local.save_state(slot, directory, owner_digest)
+
+    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
+        """The LoraConfig of a training checkpoint or a sampler snapshot directory."""
+        return self.local.read_checkpoint_config(directory)
+
+    def save_snapshot(self, slot: int, directory: Path) -> int:
+        """Rank 0 writes the PEFT snapshot."""
+        return self.local.save_snapshot(slot, directory)
+
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        """Sampling runs on rank 0 (snapshots are files; see LocalEngine)."""
+        self.local.validate_sample_request(request)
+
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        """Queue a sampling request on rank 0's sampler."""
+        self.local.add_sample(key, request)
+
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | UserError]]:
+        """One admission + decode step of rank 0's sampler."""
+        return self.local.step_sampler(max_prefill_tokens)
+
+    def has_sampling_work(self) -> bool:
+        """Whether rank 0's sampler has work."""
+        return self.local.has_sampling_work()
+
+    # --- exchanges, failure and shutdown
+    def _exchange(self, commands: list[Command]) -> list[object]:
+        """Send one command per rank, run rank 0's, and return every rank's reply in rank order."""
+        if self._closing.is_set():
+            raise ServerError("the engine was shut down")
+        with self._lock:
+            self._raise_if_failed()
+            return self._exchange_locked(commands)
+
+    def _exchange_locked(self, commands: list[Command]) -> list[object]:
+        try:
+            own = scatter_commands(self._group, commands)
+            replies = gather_replies(self._group, answer(own, self.local, self._group))
+        except Exception as error:  # a collective broke: a rank died, hung past the timeout or diverged
+            raise self._fail(self._diagnose(error)) from error
+        finally:
+            self._last_exchange = time.monotonic()
+        errors = [reply for reply in replies if isinstance(reply, RankError)]
+        if errors:
+            raise ServerError(
+                "; ".join(f"engine rank {e.rank} failed its share of the pass: {e.message}" for e in errors)
+            )
+        return replies
+
+    def _pass_results(self, reply: object, rank: int) -> list[PassResult]:
+        """A rank's pass results; a request that rank 0 accepted and the rank rejected: replicas differ."""
+        assert isinstance(reply, list)  # RunPass replies are result lists (errors were raised above)
+        for result in reply:
+            if isinstance(result, UserError):
+                raise self._fail(f"engine rank {rank} rejected a request that rank 0 accepted ({result})")
+        return reply
+
+    def _diagnose(self, error: Exception) -> str:
+        """The likeliest cause of a broken collective: a local rank that exited, else the error itself."""
+        exited = self._local_ranks.exited(_EXIT_GRACE_S) if self._local_ranks else {}
+        return describe_exits(exited) if exited else f"an engine rank stopped answering ({error})"
+
+    def _fail(self, cause: str) -> ServerError:
+        """Fail the engine for good (once; later causes are dropped) and return the error to raise."""
+        with self._failure_lock:
+            is_first = self._failure is None
+            if is_first:
+                self._failure = (
+                    f"{cause}; the engine cannot go on and the server is shutting down: restart it, "
+                    "and resume runs from their checkpoints"
+                )
+        if is_first:
+            log.error("%s", self._failure)
+            if not self._closing.is_set():  # a closing engine's owner is stopping already
+                self._on_failure(self._failure)
+        return ServerError(self._failure)
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise ServerError(self._failure)
+
+    def _watch(self) -> None:
+        """Notice a dead local rank at once; ping quiet ranks, so a silent one is found within the timeout."""
+        while not self._closing.wait(_WATCH_S) and self._failure is None:
+            exited = self._local_ranks.exited() if self._local_ranks else {}
+            if exited:
+                self._fail(describe_exits(exited))
+            elif time.monotonic() - self._last_exchange >= self._heartbeat_s:
+                self._ping()
+
+    def _ping(self) -> None:
+        """Exchange a Ping, unless a command is under way (whose own collectives watch the ranks)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._failure is None and not self._closing.is_set():
+                self._exchange_locked([Ping()] * self._group.world_size)
+        except ServerError:
+            pass  # _fail has reported it
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Stop the other ranks (in order if the group works, by kill if it failed) and leave the group."""
+        self._closing.set()
+        self._watchdog.join(_SHUTDOWN_GRACE_S)
+        # Held from here on: nothing may be sent after Shutdown. Not getting it means an exchange is stuck
+        # in a collective (a silent remote rank): then the group is left as it is, for the process to end.
+        is_idle = self._lock.acquire(timeout=_SHUTDOWN_GRACE_S)
+        is_clean = is_idle and self._failure is None
+        if is_clean:
+            try:
+                scatter_commands(self._group, [Shutdown()] * self._group.world_size)
+            except Exception as error:  # a rank died while the server was stopping
+                is_clean = False
+                self._fail(self._diagnose(error))
+        if self._local_ranks is not None:
+            self._local_ranks.stop(_SHUTDOWN_GRACE_S if is_clean else 0.0)
+        if is_idle:
+            leave_group()
+
+
+def start_coordinator(
+    env: RankEnv,
+    build: EngineBuilder,
+    device: str,
+    timeout_s: float,
+    on_failure: Callable[[str], None],
+    local_ranks: LocalRanks | None = None,
+) -> DistributedEngine:
+    """Rank 0's start-up: meet the other ranks, build the local engine, and wrap it.
+
+    `local_ranks` (ranks this process spawned) are watched during start-up and stopped if it fails.
+    """
+    try:
+        if local_ranks is None:
+            local, group = start_rank(env, build, device, timeout_s)
+        else:
+            local, group = local_ranks.run_watched(lambda: start_rank(env, build, device, timeout_s))
+    except BaseException:
+        if local_ranks is not None:
+            local_ranks.stop(0.0)
+        raise
+    return DistributedEngine(local, group, timeout_s, on_failure, local_ranks)

@@ -1,0 +1,82 @@
+"""The commands rank 0 sends the engine ranks, and how they travel.
+
+One exchange: rank 0 scatters one command per rank (the same one, or each rank's share of a pass)
+over the control group, every rank executes its own (replica.py), and rank 0 gathers the replies in
+rank order. Commands are plain picklable dataclasses; tensors they imply (gradients, slot state) move
+separately on the data group. No HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from loraplex.engine.distributed.group import RankGroup
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest
+
+
+@dataclass(frozen=True)
+class RunPass:
+    """Run this rank's share of a pass (rank 0 has validated every request)."""
+
+    requests: list[PassRequest]
+
+
+@dataclass(frozen=True)
+class OptimStep:
+    """All-reduce the stepped slots' gradients in one collective, then take the same fused step."""
+
+    steps: dict[int, AdamParams]
+
+
+@dataclass(frozen=True)
+class SyncSlot:
+    """Make `slot` (created if absent) a copy of rank 0's: its weights, and its AdamW state if step > 0."""
+
+    slot: int
+    config: LoraConfig
+    step: int  # AdamW steps taken; 0 means the moments are zero, so they are not sent
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """Drop `slot` on every rank."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class Ping:
+    """A heartbeat: keeps idle ranks within the collective timeout and shows that every rank answers."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave the command loop and the group; not answered."""
+
+
+Command = RunPass | OptimStep | SyncSlot | FreeSlot | Ping | Shutdown
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A rank's answer when its share of a pass raised: the pass fails, the group stays usable."""
+
+    rank: int
+    message: str
+
+
+def scatter_commands(group: RankGroup, commands: list[Command] | None) -> Command:
+    """Rank 0 passes one command per rank (others pass None); every rank returns its own."""
+    received: list[Command | None] = [None]
+    dist.scatter_object_list(received, commands, src=0, group=group.control)
+    assert received[0] is not None  # the object collective filled it
+    return received[0]
+
+
+def gather_replies(group: RankGroup, reply: object) -> list[object]:
+    """Every rank passes its reply; rank 0 returns all of them in rank order, the others []."""
+    replies: list[object] | None = [None] * group.world_size if group.rank == 0 else None
+    dist.gather_object(reply, replies, dst=0, group=group.control)
+    return replies or []

@@ -1,0 +1,104 @@
+"""What every engine rank does with a command, rank 0 included: one code path, so that all ranks enter
+the same collectives in the same order and their adapter replicas stay identical.
+
+Rank 0 has already validated a command and, for a slot it creates or loads, already holds the new
+state; the others follow it. No HTTP, no SQL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loraplex.engine.distributed.group import RankGroup, all_reduce_flat, broadcast_flat
+from loraplex.engine.distributed.protocol import (
+    Command,
+    FreeSlot,
+    OptimStep,
+    Ping,
+    RankError,
+    RunPass,
+    SyncSlot,
+)
+from loraplex.engine.local import LocalEngine
+from loraplex.engine.slots import OptimizerState
+from loraplex.engine.types import AdamParams
+from loraplex.errors import ServerError
+
+log = logging.getLogger(__name__)
+
+
+def answer(command: Command, engine: LocalEngine, group: RankGroup) -> object:
+    """Execute `command` and return this rank's reply.
+
+    A failed share of a pass becomes a RankError reply and the group stays usable: the pass fails, and
+    may have left part of itself in the accumulators, as a single-rank pass failing part way may. Any
+    other failure propagates, because this replica may now differ from the others and must not go on.
+    """
+    try:
+        return execute(command, engine, group)
+    except Exception as error:
+        if not isinstance(command, RunPass):
+            raise
+        log.exception("engine rank %d: its share of a pass failed", group.rank)
+        return RankError(group.rank, f"{type(error).__name__}: {error}")
+
+
+def execute(command: Command, engine: LocalEngine, group: RankGroup) -> object:
+    """This rank's part of `command`; the reply rank 0 gathers."""
+    if isinstance(command, RunPass):
+        return engine.run_pass(command.requests)
+    if isinstance(command, OptimStep):
+        return step_replicas(engine, command.steps, group)
+    if isinstance(command, SyncSlot):
+        return sync_slot(engine, command, group)
+    if isinstance(command, FreeSlot):
+        return engine.free_slot(command.slot)
+    if isinstance(command, Ping):
+        return None
+    raise ServerError(f"engine rank {group.rank} has no executor for {type(command).__name__}")
+
+
+def step_replicas(
+    engine: LocalEngine, steps: dict[int, AdamParams], group: RankGroup
+) -> dict[int, dict[str, float]]:
+    """Sum the stepped slots' gradient accumulators over all ranks in one all-reduce, then step locally.
+
+    Semantics: `engine.optim_step(steps)` on one rank that had run every rank's share of every pass:
+    accumulators add, so their sum over ranks is that rank's accumulator. Every rank then holds the same
+    gradients and takes the same step, so the replicas stay identical and the grad norm needs no
+    further collective.
+    """
+    all_reduce_flat([engine.pool.get(slot).adam.grads_N for slot in steps], group.data)
+    return engine.optim_step(steps)
+
+
+@torch.no_grad()
+def sync_slot(engine: LocalEngine, command: SyncSlot, group: RankGroup) -> None:
+    """Rank 0 broadcasts its slot's weights (and moments when step > 0); the others create or overwrite
+    theirs with them, so a created or loaded slot is the same on every rank."""
+    pool = engine.pool
+    if group.rank != 0 and not pool.has_slot(command.slot):
+        created = pool.create(command.config)
+        if created != command.slot:  # slot ids follow from the same creates and frees on every rank
+            raise ServerError(
+                f"engine rank {group.rank} allocated slot {created}, rank 0 slot {command.slot}"
+            )
+    record = pool.get(command.slot)
+    state = record.optimizer_state()
+    local = [*record.weights.values()]
+    if command.step > 0:
+        local += [*state.exp_avg.values(), *state.exp_avg_sq.values()]
+    received = local if group.rank == 0 else [torch.empty_like(t) for t in local]
+    broadcast_flat(received, group.data)
+    if group.rank == 0:
+        return
+    names, n = list(record.weights), len(record.weights)
+    optimizer = None
+    if command.step > 0:
+        exp_avg, exp_avg_sq = received[n : 2 * n], received[2 * n :]
+        optimizer = OptimizerState(
+            dict(zip(names, exp_avg, strict=True)), dict(zip(names, exp_avg_sq, strict=True)), command.step
+        )
+    record.assign(dict(zip(names, received[:n], strict=True)), optimizer)

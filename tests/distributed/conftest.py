@@ -1,0 +1,120 @@
+"""Two engine ranks on the tiny model: rank 0 in the test process, rank 1 a real `loraplex engine-worker`
+child (gloo on CPU, one thread each); a single-rank LocalEngine on the same model is the reference.
+
+`start_ranks` always closes the engine and kills the child, whatever the test did to it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
+from loraplex.engine.distributed.group import RankEnv
+from loraplex.engine.distributed.launch import LocalRanks
+from loraplex.engine.local import LocalEngine, build_local_engine
+from loraplex.engine.types import DatumInput, PassRequest
+
+MAX_SLOTS, MAX_RANK = 4, 16
+VOCAB = 512  # the tiny model's
+
+
+def build_reference(data_dir: Path, device: str = "cpu") -> LocalEngine:
+    """A single-rank engine on the tiny model, configured as the ranks are."""
+    return build_local_engine("tiny", data_dir, device, MAX_SLOTS, MAX_RANK, None)
+
+
+@dataclass
+class Ranks:
+    """A running 2-rank engine, its child process and the failures it reported."""
+
+    engine: DistributedEngine
+    local_ranks: LocalRanks
+    failures: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def start_ranks(data_dir: Path, timeout_s: float = 60.0, is_watched: bool = True) -> Iterator[Ranks]:
+    """Rank 0 here and rank 1 as a child; is_watched=False hides the child from rank 0, as a rank on
+    another machine would be, so only collectives can reveal its failure."""
+    env = RankEnv.on_this_machine(2)
+    command = [sys.executable, "-m", "loraplex.cli", "engine-worker", "--data-dir", str(data_dir)]
+    command += ["--device", "cpu", "--max-slots", str(MAX_SLOTS), "--max-rank", str(MAX_RANK)]
+    command += ["--rank-timeout-s", str(timeout_s)]
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        local_ranks = LocalRanks.spawn(command, env)
+    failures: list[str] = []
+    try:
+        engine = start_coordinator(
+            env,
+            lambda device: build_reference(data_dir, device),
+            "cpu",
+            timeout_s,
+            failures.append,
+            local_ranks if is_watched else None,
+        )
+        try:
+            yield Ranks(engine, local_ranks, failures)
+        finally:
+            engine.close()
+    finally:
+        local_ranks.stop(0.0)
+        torch.set_num_threads(threads)
+
+
+# --- requests: random tokens of given lengths, seeded
+def _tokens(rng: np.random.Generator, length: int) -> np.ndarray:
+    return rng.integers(0, VOCAB, length, dtype=np.int64)
+
+
+def sft_request(
+    slot: int | None, lengths: list[int], seed: int, forward_only: bool = False, top_k: int | None = None
+) -> PassRequest:
+    """cross_entropy over random datums; top_k gives (N, K) targets and weights."""
+    rng = np.random.default_rng(seed)
+    datums = []
+    for n in lengths:
+        shape = (n,) if top_k is None else (n, top_k)
+        targets = rng.integers(0, VOCAB, shape, dtype=np.int64)
+        weights = rng.uniform(0.0, 1.0, shape).astype(np.float32)
+        datums.append(DatumInput(_tokens(rng, n), {"target_tokens": targets, "weights": weights}))
+    return PassRequest(slot, "cross_entropy", {}, datums, forward_only)
+
+
+def rl_request(
+    slot: int | None,
+    loss_fn: str,
+    lengths: list[int],
+    seed: int,
+    config: dict[str, float] | None = None,
+    forward_only: bool = False,
+) -> PassRequest:
+    """An RL loss over random datums with sampler logprobs near the model's, so some ratios clip."""
+    rng = np.random.default_rng(seed)
+    datums = []
+    for n in lengths:
+        inputs = {
+            "target_tokens": _tokens(rng, n),
+            "logprobs": rng.uniform(-7.0, -5.5, n).astype(np.float32),
+            "advantages": rng.normal(0.0, 1.0, n).astype(np.float32),
+        }
+        datums.append(DatumInput(_tokens(rng, n), inputs))
+    return PassRequest(slot, loss_fn, config or {}, datums, forward_only)
+
+
+def adapter_state(engine: LocalEngine, slot: int) -> dict[str, np.ndarray]:
+    """A slot's weights and AdamW moments as numpy copies, keyed by name."""
+    record = engine.pool.get(slot)
+    state = record.optimizer_state()
+    tensors = {**record.weights, **{f"exp_avg.{k}": v for k, v in state.exp_avg.items()}}
+    tensors |= {f"exp_avg_sq.{k}": v for k, v in state.exp_avg_sq.items()}
+    return {name: t.detach().cpu().numpy().copy() for name, t in tensors.items()}

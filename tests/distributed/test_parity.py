@@ -1,0 +1,251 @@
+"""Two data-parallel engine ranks compute what one rank computes: passes, fused steps, checkpoints.
+
+The reference is a single-rank LocalEngine on the same tiny model, given the same calls (fp32, 1e-5
+relative). One 2-rank engine serves the module; each test creates its slots on both engines and frees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from loraplex.engine.distributed.sharding import split_by_tokens
+from loraplex.engine.interface import Engine
+from loraplex.engine.local import LocalEngine
+from loraplex.engine.types import (
+    AdamParams,
+    LoraConfig,
+    PassRequest,
+    PassResult,
+    SampleRequest,
+    SamplingParams,
+)
+from loraplex.errors import UserError
+from tests.distributed.conftest import (
+    Ranks,
+    adapter_state,
+    build_reference,
+    rl_request,
+    sft_request,
+    start_ranks,
+)
+
+RTOL = 1e-5
+CONFIGS = [
+    LoraConfig(rank=4, seed=1),
+    LoraConfig(rank=8, seed=2, train_unembed=False),
+    LoraConfig(rank=2, seed=3, train_attn=False),
+]
+PARAMS = [
+    AdamParams(learning_rate=1e-3),
+    AdamParams(learning_rate=5e-4, weight_decay=0.1),
+    AdamParams(learning_rate=1e-3, grad_clip_norm=1.0),
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ranks")
+
+
+@pytest.fixture(scope="module")
+def ranks(data_dir: Path) -> Iterator[Ranks]:
+    with start_ranks(data_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path) -> LocalEngine:
+    return build_reference(data_dir)
+
+
+@contextmanager
+def slots_on(*engines: Engine) -> Iterator[list[int]]:
+    """The three CONFIGS as slots on every engine (the same ids), freed afterwards."""
+    ids = [[engine.create_slot(config) for config in CONFIGS] for engine in engines]
+    assert all(i == ids[0] for i in ids)
+    try:
+        yield ids[0]
+    finally:
+        for engine in engines:
+            for slot in ids[0]:
+                engine.free_slot(slot)
+
+
+def training_pass(slots: list[int], seed: int) -> list[PassRequest]:
+    """Several requests over the three slots, long and short datums, so both ranks hold some of each."""
+    a, b, c = slots
+    return [
+        sft_request(a, [13, 5, 21], seed),
+        rl_request(b, "ppo", [9, 17], seed + 1, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+        sft_request(c, [30], seed + 2),
+        rl_request(a, "importance_sampling", [11, 4], seed + 3),
+    ]
+
+
+def assert_results_equal(got: list[PassResult | UserError], want: list[PassResult | UserError]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, UserError):
+            assert isinstance(g, UserError) and str(g) == str(w)
+            continue
+        assert isinstance(g, PassResult)
+        assert g.metrics.keys() == w.metrics.keys()
+        for key in w.metrics:
+            np.testing.assert_allclose(g.metrics[key], w.metrics[key], rtol=RTOL, err_msg=key)
+        assert len(g.outputs) == len(w.outputs)
+        for g_out, w_out in zip(g.outputs, w.outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                assert g_out[key].shape == w_out[key].shape
+                np.testing.assert_allclose(g_out[key], w_out[key], rtol=RTOL, atol=1e-6, err_msg=key)
+
+
+def assert_adapters_equal(got: LocalEngine, want: LocalEngine, slots: list[int]) -> None:
+    """Every weight and moment tensor within RTOL of the reference, as a relative error norm.
+
+    Not elementwise: AdamW with eps 1e-12 turns a rounding-level difference in a near-zero gradient
+    element (another summation order) into a full-size update of that element, for any change of order.
+    """
+    for slot in slots:
+        got_state, want_state = adapter_state(got, slot), adapter_state(want, slot)
+        assert got_state.keys() == want_state.keys()
+        for name, expected in want_state.items():
+            error = np.linalg.norm(got_state[name] - expected)
+            assert error <= RTOL * np.linalg.norm(expected), f"slot {slot} {name}: relative error {error}"
+
+
+def train(engines: tuple[Engine, ...], slots: list[int], steps: int, seed: int) -> None:
+    """`steps` rounds of two training passes then one fused step of all slots, on every engine."""
+    for step in range(steps):
+        for engine in engines:
+            for k in range(2):
+                results = engine.run_pass(training_pass(slots, seed + 10 * step + 5 * k))
+                assert all(isinstance(r, PassResult) for r in results)
+            engine.optim_step(dict(zip(slots, PARAMS, strict=True)))
+
+
+def test_a_mixed_pass_on_two_ranks_returns_the_single_rank_outputs_and_metrics(ranks, reference) -> None:
+    with slots_on(ranks.engine, reference) as slots:
+        train((ranks.engine, reference), slots, steps=1, seed=0)  # so that every adapter's B is non-zero
+        a, b, c = slots
+        bad = sft_request(b, [6], seed=7)
+        bad.datums[0].tokens[2] = 10_000  # outside the vocabulary: rejected by rank 0 alone
+        requests = [
+            sft_request(a, [5, 17, 9], seed=1),
+            rl_request(
+                b, "ppo", [12, 30], seed=2, config={"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+            ),
+            bad,
+            rl_request(c, "importance_sampling", [8, 3], seed=3, forward_only=True),
+            sft_request(None, [14], seed=4, forward_only=True),
+            sft_request(a, [11], seed=5, top_k=3),
+            rl_request(c, "cispo", [7, 19, 2], seed=6),
+        ]
+        assert all(split_by_tokens([r for r in requests if r is not bad], 2))  # both ranks get datums
+        assert_results_equal(ranks.engine.run_pass(requests), reference.run_pass(requests))
+        # Both ranks' shares of the pass reach the accumulators: the step after it matches too.
+        for engine in (ranks.engine, reference):
+            engine.optim_step(dict(zip(slots, PARAMS, strict=True)))
+        assert_adapters_equal(ranks.engine.local, reference, slots)
+
+
+def test_three_fused_steps_of_three_slots_leave_the_adapters_of_a_single_rank(ranks, reference) -> None:
+    with slots_on(ranks.engine, reference) as slots:
+        train((ranks.engine, reference), slots, steps=3, seed=100)
+        assert_adapters_equal(ranks.engine.local, reference, slots)
+        # Rank 1's replica is checked through its share of a pass after the steps.
+        check = training_pass(slots, seed=999)
+        assert_results_equal(ranks.engine.run_pass(check), reference.run_pass(check))
+
+
+def test_a_checkpoint_saved_under_two_ranks_resumes_exactly_under_one(ranks, reference, tmp_path) -> None:
+    with slots_on(ranks.engine, reference) as slots:
+        train((ranks.engine,), slots, steps=2, seed=200)
+        for slot in slots:
+            ranks.engine.save_state(slot, tmp_path / f"slot{slot}", owner_digest="owner")
+            assert reference.load_state(
+                tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot
+            ) == (
+                slot,
+                CONFIGS[slots.index(slot)],
+            )
+        assert_adapters_equal(reference, ranks.engine.local, slots)
+        train((ranks.engine, reference), slots, steps=1, seed=300)
+        assert_adapters_equal(ranks.engine.local, reference, slots)
+
+
+def test_a_checkpoint_saved_under_one_rank_resumes_exactly_under_two(ranks, reference, tmp_path) -> None:
+    with slots_on(ranks.engine, reference) as slots:
+        train((reference,), slots, steps=2, seed=400)
+        for slot in slots:
+            reference.save_state(slot, tmp_path / f"slot{slot}", owner_digest="owner")
+            ranks.engine.load_state(tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
+        train((ranks.engine, reference), slots, steps=1, seed=500)
+        assert_adapters_equal(ranks.engine.local, reference, slots)
+        check = training_pass(slots, seed=501)
+        assert_results_equal(ranks.engine.run_pass(check), reference.run_pass(check))
+
+
+def test_a_checkpoint_loaded_into_a_new_slot_reaches_every_rank(ranks, reference, tmp_path) -> None:
+    with slots_on(ranks.engine, reference) as slots:
+        train((reference,), slots, steps=1, seed=600)
+        reference.save_state(slots[0], tmp_path / "ckpt", owner_digest="owner")
+        loaded = [
+            engine.load_state(tmp_path / "ckpt", "owner", with_optimizer=False)
+            for engine in (ranks.engine, reference)
+        ]
+        assert loaded[0] == loaded[1]
+        new = loaded[0][0]
+        try:
+            check = [sft_request(new, [9, 14, 6, 20], seed=601)]
+            assert_results_equal(ranks.engine.run_pass(check), reference.run_pass(check))
+        finally:
+            ranks.engine.free_slot(new)
+            reference.free_slot(new)
+
+
+def test_each_optim_step_does_exactly_one_gradient_all_reduce(ranks, monkeypatch) -> None:
+    calls: list[tuple[str, int]] = []  # (collective, elements) of every tensor collective rank 0 enters
+    for name in ("all_reduce", "broadcast"):
+        original = getattr(dist, name)
+
+        def counting(tensor, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, tensor.numel()))
+            return _original(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counting)
+    with slots_on(ranks.engine) as slots:
+        sizes = [ranks.engine.local.pool.get(slot).adam.grads_N.numel() for slot in slots]
+        assert calls == [("broadcast", n) for n in sizes]  # each new slot: one flat copy of rank 0's
+        calls.clear()
+        for seed in range(3):
+            ranks.engine.run_pass(training_pass(slots, seed))
+        assert calls == []  # passes never reduce
+        ranks.engine.optim_step(dict(zip(slots, PARAMS, strict=True)))
+        assert calls == [("all_reduce", sum(sizes))]  # three slots, three passes: one flat all-reduce
+        ranks.engine.run_pass(training_pass(slots, seed=3))
+        ranks.engine.optim_step({slots[1]: PARAMS[1]})
+        assert calls == [("all_reduce", sum(sizes)), ("all_reduce", sizes[1])]
+
+
+def test_sampling_runs_on_rank_0_as_on_a_single_rank(ranks, reference, tmp_path) -> None:
+    requests = [
+        SampleRequest(np.array([5, 9, 2, 44], np.int64), SamplingParams(max_tokens=6, temperature=0.0)),
+        SampleRequest(np.array([7, 1], np.int64), SamplingParams(max_tokens=4, seed=3), num_samples=2),
+    ]
+    outcomes = []
+    for engine in (ranks.engine, reference):
+        for index, request in enumerate(requests):
+            engine.add_sample(f"r{index}", request)
+        finished = {}
+        while engine.has_sampling_work():
+            finished.update(engine.step_sampler())
+        outcomes.append(finished)
+    for key, want in outcomes[1].items():
+        got = outcomes[0][key]
+        assert [s.tokens.tolist() for s in got.sequences] == [s.tokens.tolist() for s in want.sequences]

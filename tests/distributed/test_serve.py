@@ -1,0 +1,138 @@
+"""`loraplex serve --nproc 2` through the official SDK: it trains as `--nproc 1` does, stops its ranks
+when it stops (or dies), and exits with a clear message when a rank dies; runs then resume from
+checkpoints.
+
+Servers are real subprocesses on free loopback ports (tests/e2e/conftest.py), always stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tinker
+from tinker import types
+
+from tests.e2e.conftest import Server
+from tests.e2e.sdk import base_model, client
+
+LENGTHS = (6, 11, 17, 4)  # per datum: both ranks get some of each request
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+def _datums(seed: int) -> list[types.Datum]:
+    rng = np.random.default_rng(seed)
+    datums = []
+    for n in LENGTHS:
+        tokens = rng.integers(0, 256, n + 1)
+        inputs = {"target_tokens": tokens[1:].astype(np.int64), "weights": np.ones(n, np.float32)}
+        datums.append(
+            types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1].tolist()), loss_fn_inputs=inputs)
+        )
+    return datums
+
+
+def _train(run: tinker.TrainingClient, steps: int) -> list[float]:
+    losses = []
+    for step in range(steps):
+        fb = run.forward_backward(_datums(step), "cross_entropy")
+        opt = run.optim_step(types.AdamParams(learning_rate=1e-3))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def _logprobs(run: tinker.TrainingClient) -> np.ndarray:
+    out = run.forward(_datums(99), "cross_entropy").result()
+    return np.concatenate([o["logprobs"].to_numpy() for o in out.loss_fn_outputs])
+
+
+def _children(server: Server) -> list[int]:
+    """Pids of the server's child processes: its engine ranks."""
+    assert server.proc is not None
+    pid = server.proc.pid
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _is_gone(pid: int) -> bool:
+    """Whether the process has exited (a zombie counts: it no longer runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def _server(tmp_path: Path, name: str, *args: str) -> Server:
+    """A server (not yet started) on tmp_path/name."""
+    data_dir = tmp_path / name
+    data_dir.mkdir(exist_ok=True)
+    return Server(data_dir, list(args))
+
+
+def test_two_ranks_train_through_the_sdk_as_one_rank_does_and_stop_with_the_server(tmp_path) -> None:
+    outcomes = []
+    for nproc in ("1", "2"):
+        server = _server(tmp_path, f"nproc{nproc}", "--nproc", nproc)
+        try:
+            server.start()
+            workers = _children(server)
+            assert len(workers) == int(nproc) - 1
+            run = (
+                client(server)
+                .create_lora_training_client(base_model=base_model(server), rank=8, seed=1)
+                .result()
+            )
+            outcomes.append((_train(run, 3), _logprobs(run)))
+        finally:
+            server.stop()
+        assert all(_is_gone(pid) for pid in workers)
+    assert server.proc is not None and server.proc.returncode == 0  # rank 0 stopped its ranks in order
+    (losses_1, logprobs_1), (losses_2, logprobs_2) = outcomes
+    np.testing.assert_allclose(losses_2, losses_1, rtol=1e-5)
+    np.testing.assert_allclose(logprobs_2, logprobs_1, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dead_rank_stops_the_server_with_a_clear_message_and_runs_resume_after_a_restart(tmp_path) -> None:
+    server = _server(tmp_path, "data", "--nproc", "2")
+    try:
+        server.start()
+        run = (
+            client(server).create_lora_training_client(base_model=base_model(server), rank=8, seed=1).result()
+        )
+        _train(run, 2)
+        checkpoint = run.save_state("before").result().path
+        expected = _logprobs(run)
+        (worker,) = _children(server)
+        os.kill(worker, signal.SIGKILL)
+        assert server.proc is not None
+        assert server.proc.wait(timeout=30) == 1
+    finally:
+        server.stop()
+    log = (tmp_path / f"server-{server.port}.log").read_text()
+    assert "engine rank 1 exited with code -9" in log and "restart" in log
+
+    restarted = _server(tmp_path, "data", "--nproc", "2")
+    try:
+        restarted.start()
+        service = client(restarted)
+        resumed = service.create_training_client_from_state_with_optimizer(checkpoint).result()
+        np.testing.assert_allclose(_logprobs(resumed), expected, rtol=1e-6)
+        # And a killed server takes its ranks with it.
+        (worker,) = _children(restarted)
+        restarted.kill()
+        deadline = time.monotonic() + 10
+        while not _is_gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _is_gone(worker)
+    finally:
+        restarted.stop()
