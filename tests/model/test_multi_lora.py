@@ -79,6 +79,40 @@ def test_fused_delta_equals_per_token_loop(rank: int, layout: str, dtype: torch.
     torch.testing.assert_close(add_lora_delta(y, x, routing, slots), expected)
 
 
+# Adjacent equal-length, equal-rank segments run as one batched matmul; the rest one by one.
+BATCHED_LAYOUT = [
+    Segment(0, 0, 4),
+    Segment(1, 4, 8),
+    Segment(3, 8, 12),
+    Segment(None, 12, 15),
+    Segment(2, 15, 20),
+    Segment(0, 20, 24),
+]
+
+
+@pytest.mark.parametrize("ranks", [{0: 4, 1: 4, 2: 8, 3: 4}, {0: 1, 1: 2, 2: 3, 3: 4}])
+def test_fused_delta_gradients_equal_the_per_token_loop(ranks: dict[int, int]) -> None:
+    torch.manual_seed(0)
+    routing = LoRARouting(tuple(BATCHED_LAYOUT))
+    y = torch.randn(routing.num_tokens, 6)
+    x = torch.randn(routing.num_tokens, 5)
+    slots = random_slots(ranks, 5, 6)
+    weight_O = torch.randn(6)
+
+    def grads(fn) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_()]
+        pairs = {
+            s: (w.A_RI.clone().requires_grad_(), w.B_OR.clone().requires_grad_()) for s, w in slots.items()
+        }
+        routed = {s: SlotWeights(A, B, slots[s].scale) for s, (A, B) in pairs.items()}
+        out = fn(y, leaves[0], routing, routed)
+        (out * weight_O).sum().backward()
+        return [out.detach(), leaves[0].grad, *(t.grad for pair in pairs.values() for t in pair)]
+
+    for fused, reference in zip(grads(add_lora_delta), grads(add_lora_delta_reference), strict=True):
+        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_delta_reaches_only_its_segment_and_keeps_the_base_dtype() -> None:
     slots = random_slots({0: 4}, in_features=6, out_features=5)
     routing = LoRARouting((Segment(None, 0, 2), Segment(0, 2, 3), Segment(None, 3, 4)))

@@ -61,6 +61,9 @@ class LossSpec:
     config: dict[str, float]  # loss_fn_config keys and their defaults
     is_rl: bool  # the RL mask applies
     allows_top_k: bool = False  # (N,K) target_tokens and weights
+    # ℓ_t depends on token t's logprob alone, so ∂ℓ_t/∂lp_t is known chunk by chunk (gspo's sequence
+    # ratio needs the whole sequence first).
+    is_per_token: bool = True
 
 
 # --- losses: ℓ per token, exactly 0 wherever the effective weight is 0 ---------------------------------
@@ -199,6 +202,7 @@ LOSSES: dict[str, LossSpec] = {
         optional=("weights", "sequence_ratio_mask", *_CLIP_INPUTS),
         config=_clip_defaults(0.8, 1.2),
         is_rl=True,
+        is_per_token=False,
     ),
 }
 
@@ -211,6 +215,11 @@ _UNSUPPORTED = {
 }
 
 _BOUNDS_RULE = "thresholds are absolute ratio bounds (e.g. 0.8 and 1.2), not epsilons, and need low ≤ high"
+
+
+def is_per_token_loss(loss_fn: str) -> bool:
+    """Whether each token's loss depends on that token's logprob alone (see LossSpec.is_per_token)."""
+    return _spec(loss_fn).is_per_token
 
 
 def _spec(loss_fn: str) -> LossSpec:

@@ -3,7 +3,9 @@
 A pass validates every request first (a rejected request changes no state), orders the surviving
 requests' datums so that each slot's tokens are contiguous, runs the decoder once over the pack,
 computes learner logprobs in token chunks, applies each request's own loss to its own slice, and
-backpropagates the sum of the training requests' losses into the slots' gradient accumulators.
+backpropagates the sum of the training requests' losses into the slots' gradient accumulators. When
+every training request's loss is per token, the lm_head's backward runs inside its chunked forward
+(each chunk's logits computed once), and the decoder's backward starts from the collected gradient.
 Engine code: no HTTP, no SQL.
 
 Shapes: T packed tokens, D hidden, K widest target form in the pack (1 for (N,) targets).
@@ -13,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from itertools import pairwise
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from loraplex.engine.logprobs import chunked_token_logprobs
-from loraplex.engine.losses import compute_loss, pack_loss_inputs
+from loraplex.engine.logprobs import chunked_token_logprobs, chunked_token_logprobs_backward
+from loraplex.engine.losses import LossBatch, compute_loss, is_per_token_loss, pack_loss_inputs
 from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
@@ -95,23 +99,81 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
     def head_fn(hidden_CD: Tensor, start: int, end: int) -> Tensor:
         return decoder.lm_head(hidden_CD, routing.slice(start, end))
 
-    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, _padded_targets(placed).to(device), chunk_size)
+    targets = _padded_targets(placed).to(device)
+    batches = [
+        pack_loss_inputs(p.request.loss_fn, p.config, [d.loss_fn_inputs for d in p.request.datums], device)
+        for p in placed
+    ]
+    if is_training and all(p.request.forward_only or is_per_token_loss(p.request.loss_fn) for p in placed):
+        # The lm_head's backward runs inside its chunked forward; the decoder's follows from its gradient.
+        objective_fn = partial(_chunk_objective, placed, batches)
+        lp_TK, grad_TD = chunked_token_logprobs_backward(
+            hidden_TD, head_fn, targets, chunk_size, objective_fn
+        )
+        if grad_TD is not None:  # None when only the lm_head's LoRA trains
+            hidden_TD.backward(grad_TD)
+        with torch.no_grad():
+            return [
+                _to_result(*_request_outputs(p, batch, lp_TK)[1:])
+                for p, batch in zip(placed, batches, strict=True)
+            ]
 
+    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size)
     objective: list[Tensor] = []
-    per_request: list[tuple[list[Tensor], list[Tensor], dict[str, Tensor]]] = []
-    for p in placed:
-        lp = lp_TK[p.start : p.end, 0] if p.width is None else lp_TK[p.start : p.end, : p.width]
-        inputs = [d.loss_fn_inputs for d in p.request.datums]
-        batch = pack_loss_inputs(p.request.loss_fn, p.config, inputs, device)
-        loss_T, metrics = compute_loss(p.request.loss_fn, lp, batch, p.config)
+    per_request = []
+    for p, batch in zip(placed, batches, strict=True):
+        loss_T, *outputs = _request_outputs(p, batch, lp_TK)
         if not p.request.forward_only:
             objective.append(loss_T.sum())
-        per_request.append(
-            (list(lp.detach().split(batch.lengths)), list(loss_T.detach().split(batch.lengths)), metrics)
-        )
+        per_request.append(outputs)
     if is_training:
         torch.stack(objective).sum().backward()
     return [_to_result(*outputs) for outputs in per_request]
+
+
+def _request_lp(p: _Placed, lp_TK: Tensor, start: int, end: int) -> Tensor:
+    """Rows [start, end) of lp_TK in the request's target form: (N,) or (N, K) with its own K."""
+    lp = lp_TK[start:end]
+    return lp[:, 0] if p.width is None else lp[:, : p.width]
+
+
+def _request_outputs(
+    p: _Placed, batch: LossBatch, lp_TK: Tensor
+) -> tuple[Tensor, list[Tensor], list[Tensor], dict[str, Tensor]]:
+    """A request's per-token loss (with autograd), and its detached per-datum logprobs, losses and metrics."""
+    lp = _request_lp(p, lp_TK, p.start, p.end)
+    loss_T, metrics = compute_loss(p.request.loss_fn, lp, batch, p.config)
+    return loss_T, list(lp.detach().split(batch.lengths)), list(loss_T.detach().split(batch.lengths)), metrics
+
+
+def _chunk_objective(
+    placed: list[_Placed], batches: list[LossBatch], lp_CK: Tensor, start: int, end: int
+) -> Tensor:
+    """Σ ℓ over the training tokens among packed tokens [start, end); per-token losses only."""
+    terms = []
+    for p, batch in zip(placed, batches, strict=True):
+        low, high = max(start, p.start), min(end, p.end)
+        if p.request.forward_only or low >= high:
+            continue
+        lp = _request_lp(p, lp_CK, low - start, high - start)
+        loss_T, _ = compute_loss(
+            p.request.loss_fn, lp, _slice_batch(batch, low - p.start, high - p.start), p.config
+        )
+        terms.append(loss_T.sum())
+    return torch.stack(terms).sum() if terms else lp_CK.new_zeros(())
+
+
+def _slice_batch(batch: LossBatch, start: int, end: int) -> LossBatch:
+    """Tokens [start, end) of a request's LossBatch: its datums cut to the range, renumbered from 0."""
+    bounds = np.cumsum((0, *batch.lengths))
+    first = int(np.searchsorted(bounds, start, side="right")) - 1
+    lengths = tuple(
+        int(min(high, end) - max(low, start))
+        for low, high in pairwise(bounds)
+        if max(low, start) < min(high, end)
+    )
+    inputs = {key: value[start:end] for key, value in batch.inputs.items()}
+    return LossBatch(inputs, batch.seq_index_T[start:end] - first, lengths)
 
 
 def _padded_targets(placed: list[_Placed]) -> Tensor:

@@ -1,12 +1,14 @@
 """Multi-LoRA compute: a frozen linear layer plus any number of attached slots, routed by token segment.
 
 `LoRARouting` says which slot each contiguous run of packed tokens uses; it is built once per batch
-and passed to every `MultiLoRALinear`. `add_lora_delta` is the one place the delta is computed, with
-`add_lora_delta_reference` (a per-token loop) beside it; changing the strategy changes this file only.
+and passed to every `MultiLoRALinear`. `add_lora_delta` (one custom autograd node, `_SegmentedLoRA`) is
+the one place the delta is computed, with `add_lora_delta_reference` (a per-token loop) beside it;
+changing the strategy changes this file only.
 The slot tensors belong to the engine's slot pool: layers keep references, never copies.
 Knows nothing of runs, tenants, optimizers or checkpoints.
 
-Shapes: T packed tokens, I in features, O out features, R a slot's rank.
+Shapes: T packed tokens, I in features, O out features, R a slot's rank, G segments computed together,
+L tokens of each of them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -100,23 +102,150 @@ def add_lora_delta(
                 A, B, scale = slots[slot]
                 out[t] += (scale * B @ (A @ x[t].float())).to(y.dtype)
 
-    How: split x and y into segment views, one (T_s, I) @ (I, R) @ (R, O) per segment at the slot's own
-    rank, then one cat. Gradients reach A and B only from their own segments, and backward allocates no
-    (T, O) zero buffers per slot as index_put would.
+    y is left as it was; `MultiLoRALinear` uses `_add_lora_delta_` on its own fresh output instead.
     """
-    if not any(segment.slot in slots for segment in routing.segments):
-        return y_TO
-    sizes = [segment.end - segment.start for segment in routing.segments]
-    parts_TO = []
-    for segment, x_part, y_part in zip(routing.segments, x_TI.split(sizes), y_TO.split(sizes), strict=True):
+    return _add_lora_delta_(y_TO.clone(memory_format=torch.contiguous_format), x_TI, routing, slots)
+
+
+# On CPU, stacking a run's A and B copies (I + O)·R floats per slot; past this many (measured on 2 cores:
+# rank 16 MLP layers gain, rank 64 ones and a 32k-vocab lm_head lose) the copy costs more than the
+# per-slot matmul calls it saves, so such slots keep runs of one. GPUs copy fast enough and launch
+# kernels slowly enough that stacking always pays.
+_CPU_MAX_STACKED_ELEMENTS = 1 << 15
+
+
+class _Run(NamedTuple):
+    """Adjacent routed segments of one length and one rank, computed together: tokens [start, start + G·L)."""
+
+    start: int
+    length: int  # L, tokens of each of the G segments
+    rank: int  # R, shared by the G slots
+    indices: tuple[int, ...]  # each segment's slot, as an index into the flat (A, B) pairs
+    scales: tuple[float, ...]  # each segment's alpha / rank
+
+    @property
+    def end(self) -> int:
+        """One past the run's last token."""
+        return self.start + len(self.indices) * self.length
+
+
+def _add_lora_delta_(
+    y_TO: Tensor, x_TI: Tensor, routing: LoRARouting, slots: Mapping[int, SlotWeights]
+) -> Tensor:
+    """`add_lora_delta` written into y itself (y must be a fresh tensor no other autograd node saved)."""
+    index_of: dict[int, int] = {}
+    runs: list[_Run] = []
+    for segment in routing.segments:
         weights = slots.get(segment.slot) if segment.slot is not None else None
         if weights is None:
-            parts_TO.append(y_part)
             continue
-        # Scale the narrow (T_s, R) intermediate rather than the (T_s, O) result.
-        shrunk_TR = (x_part.float() @ weights.A_RI.t()) * weights.scale
-        parts_TO.append(y_part + (shrunk_TR @ weights.B_OR.t()).to(y_TO.dtype))
-    return torch.cat(parts_TO)
+        index = index_of.setdefault(segment.slot, len(index_of))
+        length, rank = segment.end - segment.start, weights.A_RI.shape[0]
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and (last.end, last.length, last.rank) == (segment.start, length, rank)
+            and _is_stackable(weights)
+        ):
+            runs[-1] = last._replace(indices=(*last.indices, index), scales=(*last.scales, weights.scale))
+        else:
+            runs.append(_Run(segment.start, length, rank, (index,), (weights.scale,)))
+    if not runs:
+        return y_TO
+    pairs = [t for slot in index_of for t in (slots[slot].A_RI, slots[slot].B_OR)]
+    return _SegmentedLoRA.apply(y_TO, x_TI, tuple(runs), *pairs)
+
+
+def _is_stackable(weights: SlotWeights) -> bool:
+    """Whether a run may stack this slot's A and B with others' (see _CPU_MAX_STACKED_ELEMENTS)."""
+    rank, in_features = weights.A_RI.shape
+    size = (in_features + weights.B_OR.shape[0]) * rank
+    return weights.A_RI.device.type != "cpu" or size <= _CPU_MAX_STACKED_ELEMENTS
+
+
+def _stacked(tensors: list[Tensor]) -> Tensor:
+    """(G, ...) of G equally shaped tensors; a view, not a copy, when G is 1."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _scale_G11(run: _Run, like: Tensor) -> Tensor | float:
+    """The run's per-segment scales, broadcastable over (G, L, R); a plain float when they agree."""
+    if len(set(run.scales)) == 1:
+        return run.scales[0]
+    return torch.tensor(run.scales, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+
+
+class _SegmentedLoRA(torch.autograd.Function):
+    """y[s:e] += scale · (x[s:e] Aᵀ) Bᵀ for every routed segment; one autograd node per layer call.
+
+    Inputs: y (T, O), written in place; x (T, I); the runs; then A, B of each distinct slot, flat. Each
+    run of G adjacent equal-length, equal-rank segments is one (G, L, ·) bmm against its slots' stacked
+    A and B, so the Python and dispatch cost grows with runs, not segments. One node with its own
+    backward replaces plain autograd's per-segment split, matmuls, casts, adds and cat: no (T, O)
+    concatenation forward, no zero-filled split gradients backward, and A and B receive gradients
+    from their own segments only.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, y_TO: Tensor, x_TI: Tensor, runs: tuple[_Run, ...], *pairs: Tensor) -> Tensor:
+        saved = []
+        for run in runs:
+            G, L = len(run.indices), run.length
+            x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
+            A_GRI = _stacked([pairs[2 * i] for i in run.indices])
+            B_GOR = _stacked([pairs[2 * i + 1] for i in run.indices])
+            # Scale the narrow (G, L, R) intermediate rather than the (G, L, O) result.
+            shrunk_GLR = torch.bmm(x_GLI, A_GRI.transpose(1, 2)).mul_(_scale_G11(run, x_GLI))
+            y_GLO = y_TO[run.start : run.end].view(G, L, -1)
+            if y_TO.dtype == torch.float32:
+                y_GLO.baddbmm_(shrunk_GLR, B_GOR.transpose(1, 2))
+            else:
+                y_GLO += torch.bmm(shrunk_GLR, B_GOR.transpose(1, 2)).to(y_TO.dtype)
+            saved += [shrunk_GLR, A_GRI, B_GOR]
+        ctx.mark_dirty(y_TO)
+        ctx.runs = runs
+        ctx.num_pairs = len(pairs)
+        ctx.save_for_backward(x_TI, *saved)
+        return y_TO
+
+    @staticmethod
+    def backward(ctx: Any, grad_TO: Tensor) -> tuple[Tensor | None, ...]:
+        runs: tuple[_Run, ...] = ctx.runs
+        x_TI, *saved = ctx.saved_tensors
+        needs_x = ctx.needs_input_grad[1]
+        needs_pair = ctx.needs_input_grad[3:]
+        grad_x_TI = None
+        if needs_x:
+            is_covered = sum(run.end - run.start for run in runs) == x_TI.shape[0]
+            grad_x_TI = torch.empty_like(x_TI) if is_covered else torch.zeros_like(x_TI)
+        grad_pairs: list[Tensor | None] = [None] * ctx.num_pairs
+        for k, run in enumerate(runs):
+            shrunk_GLR, A_GRI, B_GOR = saved[3 * k : 3 * k + 3]
+            G, L = len(run.indices), run.length
+            g_GLO = grad_TO[run.start : run.end].reshape(G, L, -1).float()
+            needs_A = any(needs_pair[2 * i] for i in run.indices)
+            if any(needs_pair[2 * i + 1] for i in run.indices):
+                grad_B_GOR = torch.bmm(g_GLO.transpose(1, 2), shrunk_GLR)
+                for i, grad_B_OR in zip(run.indices, grad_B_GOR.unbind(0), strict=True):
+                    if needs_pair[2 * i + 1]:
+                        _accumulate(grad_pairs, 2 * i + 1, grad_B_OR)
+            if not (needs_A or needs_x):
+                continue
+            g_shrunk_GLR = torch.bmm(g_GLO, B_GOR).mul_(_scale_G11(run, g_GLO))
+            if needs_A:
+                x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
+                grad_A_GRI = torch.bmm(g_shrunk_GLR.transpose(1, 2), x_GLI)
+                for i, grad_A_RI in zip(run.indices, grad_A_GRI.unbind(0), strict=True):
+                    if needs_pair[2 * i]:
+                        _accumulate(grad_pairs, 2 * i, grad_A_RI)
+            if grad_x_TI is not None:
+                grad_x_TI[run.start : run.end] = torch.bmm(g_shrunk_GLR, A_GRI).view(G * L, -1)
+        return grad_TO, grad_x_TI, None, *grad_pairs
+
+
+def _accumulate(grads: list[Tensor | None], index: int, grad: Tensor) -> None:
+    """grads[index] += grad, starting from the first contribution (a slot may own several segments)."""
+    grads[index] = grad if grads[index] is None else grads[index] + grad
 
 
 def add_lora_delta_reference(
@@ -185,7 +314,7 @@ class MultiLoRALinear(nn.Module):
             return y_TO
         if routing.num_tokens != x_TI.shape[0]:
             raise ValueError(f"routing covers {routing.num_tokens} tokens but the input has {x_TI.shape[0]}")
-        return add_lora_delta(y_TO, x_TI, routing, self._slots)
+        return _add_lora_delta_(y_TO, x_TI, routing, self._slots)
 
     def extra_repr(self) -> str:
         return (
