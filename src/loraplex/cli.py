@@ -220,7 +220,14 @@ def _add_demo(subparsers: Any) -> None:
     parser.set_defaults(handler=demo.run)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_serve, _add_engine_worker, _add_keys, _add_demo]
+# --- bench
+def _add_bench(subparsers: Any) -> None:
+    from loraplex.bench.cli import add_bench_parser  # light: workloads import torch only when they run
+
+    add_bench_parser(subparsers)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_serve, _add_engine_worker, _add_keys, _add_demo, _add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,137 @@
+"""`bench api`: the `bench train` workload (K runs × tokens, cross_entropy forward_backward + optim_step
+per round) sent through the official `tinker` SDK over HTTP to a `loraplex serve` subprocess, against the
+same calls made directly on a `LocalEngine` in this process, interleaved round by round (performance.md).
+
+Both sides load the same model directory, train K fresh rank-R slots on the same token arrays and step
+AdamW with the same parameters; the SDK side submits every run's forward_backward, then every run's
+optim_step, back to back (as the Tinker cookbook does) and waits for all of them. The server is started
+by the bench on 127.0.0.1 and always stopped. api_efficiency = direct seconds ÷ SDK seconds, per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplex.bench import report
+from loraplex.bench.launcher import serve
+from loraplex.bench.memory import own_peak_rss_mb
+from loraplex.bench.timing import Stat, ratios, time_interleaved
+from loraplex.bench.train import build_engine, run_dtype
+from loraplex.bench.workloads import TrainShape, make_slot_datums, prepare_model_dir, to_requests
+from loraplex.engine.local import LocalEngine, resolve_device
+from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
+from loraplex.errors import UserError
+
+Run = Callable[[], object]
+
+_WARMUP = 1
+_LEARNING_RATE = 1e-4
+_LOSS = "cross_entropy"
+
+
+class DirectSteps:
+    """One training step of K slots as direct engine calls: a fused run_pass, then one optim_step."""
+
+    def __init__(self, engine: LocalEngine, shape: TrainShape, slot_datums: list[list[DatumInput]]) -> None:
+        self.engine = engine
+        self.slot_ids = [engine.create_slot(LoraConfig(rank=shape.rank, seed=k)) for k in range(shape.slots)]
+        self.requests = to_requests(self.slot_ids, slot_datums)
+        self.steps = dict.fromkeys(self.slot_ids, AdamParams(learning_rate=_LEARNING_RATE))
+
+    def __call__(self) -> None:
+        for result in self.engine.run_pass(self.requests):
+            if isinstance(result, UserError):
+                raise result
+        self.engine.optim_step(self.steps)
+
+
+class SdkSteps:
+    """One training step of K runs through the tinker SDK: every forward_backward, every optim_step,
+    submitted back to back, then every result awaited."""
+
+    def __init__(
+        self, base_url: str, base_model: str, shape: TrainShape, slot_datums: list[list[DatumInput]]
+    ) -> None:
+        import tinker  # the SDK is a client dependency; only this configuration needs it
+        from tinker import types
+
+        service = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+        self.runs = [
+            service.create_lora_training_client(base_model=base_model, rank=shape.rank, seed=k).result()
+            for k in range(shape.slots)
+        ]
+        self.batches = [
+            [
+                types.Datum(model_input=types.ModelInput.from_ints(d.tokens.tolist()), loss_fn_inputs=d.loss_fn_inputs)
+                for d in datums
+            ]
+            for datums in slot_datums
+        ]
+        self.params = types.AdamParams(learning_rate=_LEARNING_RATE)
+
+    def __call__(self) -> None:
+        passes = [run.forward_backward(batch, _LOSS) for run, batch in zip(self.runs, self.batches, strict=True)]
+        steps = [run.optim_step(self.params) for run in self.runs]
+        for future in passes + steps:
+            future.result()
+
+
+def _summarize(shape: TrainShape, seconds: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians and bests; the ratio taken round by round, then summarised."""
+    tokens = shape.num_tokens
+    figures = {
+        "sdk_tokens_per_s": Stat.of_rates([tokens / s for s in seconds["sdk"]]),
+        "engine_tokens_per_s": Stat.of_rates([tokens / s for s in seconds["engine"]]),
+        "api_efficiency": Stat.of_rates(ratios(seconds["engine"], seconds["sdk"])),
+        "sdk_step_s": Stat.of_times(seconds["sdk"]),
+        "engine_step_s": Stat.of_times(seconds["engine"]),
+    }
+    summary: dict[str, Any] = {
+        "slots": shape.slots,
+        "tokens_per_slot": shape.tokens_per_slot,
+        "rank": shape.rank,
+        "seq_len": shape.seq_len,
+        "tokens_per_step": tokens,
+    }
+    for name, stat in figures.items():
+        summary[name], summary[f"{name}_best"] = stat.median, stat.best
+    return summary
+
+
+def bench_api(args: argparse.Namespace) -> int:
+    """Entry point of `bench api`: starts the server, prints per-round rows and the summary, stops it."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+    device = resolve_device(args.device)
+    rounds = args.rounds or 5
+    shape = TrainShape(args.slots, args.tokens_per_slot, args.rank, args.tokens_per_slot)
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch:
+        model_dir = prepare_model_dir(args.model, Path(scratch), run_dtype(device), device)
+        vocab_size = int(report.read_json(model_dir / "config.json")["vocab_size"])
+        slot_datums = make_slot_datums(shape, vocab_size)
+        serve_args = ["--model", str(model_dir), "--model-name", model_dir.name, "--device", device.type]
+        serve_args += ["--max-slots", str(shape.slots), "--max-rank", str(shape.rank)]
+        threads = torch.get_num_threads()
+        with serve(serve_args, Path(scratch) / "data", threads, args.server_timeout_s) as server:
+            engine = build_engine(model_dir, device, shape.slots, shape.rank)
+            runs: dict[str, Run] = {
+                "sdk": SdkSteps(server.base_url, model_dir.name, shape, slot_datums),
+                "engine": DirectSteps(engine, shape, slot_datums),
+            }
+            timings = time_interleaved(runs, rounds, _WARMUP, device)
+            # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
+            memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}
+        context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
+    report.emit_rows(report.round_rows(timings), shape.num_tokens, args.json)
+    summary = {"kind": "summary", **context, **_summarize(shape, timings.seconds)}
+    summary.update(report.stall_summary(timings))
+    report.emit_summary({**summary, **memory}, args.json)
+    return 0

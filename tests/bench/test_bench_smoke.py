@@ -1,0 +1,118 @@
+"""`loraplex bench` runs end to end on a micro model and keeps its output contract (performance.md).
+
+Smoke tests only: one round, the `smoke` preset, one thread. They check what the output says and the
+figures that do not depend on timing (FLOP counts, token counts, tensor counts); never a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loraplex.bench import train
+from loraplex.bench.chart import read_points, render_sweep, sweep_table
+from loraplex.bench.cli import add_bench_parser, main
+
+# The `smoke` preset by hand: per layer q 64·64 + k, v 64·32 each + o 64·64 + MLP 3·64·128, two layers,
+# plus the lm_head 64·512; embeddings excluded.
+SMOKE_MATMUL_PARAMS = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 64 * 512
+# Two layers of seven targets plus the lm_head, an A and a B each.
+SMOKE_TENSORS_PER_SLOT = 2 * (2 * 7 + 1)
+TRAIN_SUMMARY_FIELDS = (
+    "tokens_per_s",
+    "naive_peft_tokens_per_s",
+    "speedup_vs_naive_peft",
+    "one_slot_tokens_per_s",
+    "fusion_efficiency",
+    "roofline_fraction",
+    "peak_rss_mb",
+)
+OPTIM_SUMMARY_FIELDS = ("fused_ms", "per_slot_loop_ms", "speedup")
+FAST = ["--model", "smoke", "--rounds", "1", "--threads", "1", "--device", "cpu", "--json"]
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[dict[str, Any]]:
+    """Run `python -m loraplex.bench` in-process; every stdout line must be one JSON object."""
+    assert main(argv) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def assert_positive_numbers(summary: dict[str, Any], fields: tuple[str, ...]) -> None:
+    for name in fields:
+        value = summary[name]
+        assert isinstance(value, float | int) and math.isfinite(value) and value > 0, (name, value)
+
+
+def test_train_prints_one_row_per_round_and_configuration_then_a_summary_with_the_contract_fields(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lines = run_json(["train", *FAST, "--slots", "2", "--tokens-per-slot", "6", "--rank", "4"], capsys)
+
+    *rows, summary = lines
+    assert [(r["kind"], r["round"], r["config"]) for r in rows] == [
+        ("round", 0, config) for config in ("fused", "one_slot", "naive_peft", "matmul")
+    ]
+    assert summary["kind"] == "summary"
+    assert_positive_numbers(summary, TRAIN_SUMMARY_FIELDS)
+    assert summary["tokens_per_step"] == 2 * 6
+    assert summary["matmul_params"] == SMOKE_MATMUL_PARAMS
+    assert summary["flops_per_token"] == 4 * SMOKE_MATMUL_PARAMS
+    assert summary["command"].startswith("loraplex bench train --model smoke")
+
+
+def test_optim_compares_the_fused_step_with_the_per_slot_loop_over_the_same_tensors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    *rows, summary = run_json(["optim", *FAST, "--slots", "3", "--rank", "2"], capsys)
+
+    assert [r["config"] for r in rows] == ["fused", "per_slot_loop"]
+    assert summary["kind"] == "summary"
+    assert_positive_numbers(summary, OPTIM_SUMMARY_FIELDS)
+    assert summary["tensors"] == 3 * SMOKE_TENSORS_PER_SLOT
+
+
+def test_sweep_prints_one_point_per_grid_cell_and_the_chart_draws_them(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(train, "SWEEP_TOKENS_PER_SLOT", (2, 4))
+    monkeypatch.setattr(train, "SWEEP_SLOTS", (1, 2))
+    monkeypatch.setattr(train, "SWEEP_RANKS", (1,))
+    lines = run_json(["train", *FAST, "--sweep", "--skip-naive"], capsys)
+
+    *points, summary = lines
+    assert [(p["kind"], p["slots"], p["tokens_per_slot"]) for p in points] == [
+        ("sweep_point", slots, tokens) for slots in (1, 2) for tokens in (2, 4)
+    ]
+    assert summary == {**summary, "kind": "summary", "points": 4}
+    jsonl = tmp_path / "sweep.jsonl"
+    jsonl.write_text("\n".join(json.dumps(line) for line in lines))
+    png = render_sweep(read_points(jsonl), "smoke sweep")
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png.endswith(b"IEND\xaeB`\x82")
+    table = sweep_table(read_points(jsonl)).splitlines()
+    assert len(table) == 2 + 4 and table[2].startswith("| 1 | 1 | 2 |")
+
+
+def test_bench_registers_on_the_loraplex_command_with_the_contract_flags() -> None:
+    parser = argparse.ArgumentParser(prog="loraplex")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    flags = ["--slots", "3", "--tokens-per-slot", "16", "--rank", "8", "--rounds", "2"]
+    flags += ["--model", "smoke", "--device", "cpu", "--json"]
+    args = parser.parse_args(["bench", "train", *flags])
+
+    assert (args.slots, args.tokens_per_slot, args.rank, args.rounds, args.model) == (3, 16, 8, 2, "smoke")
+    assert args.json and args.device == "cpu" and callable(args.handler)
+    optim = parser.parse_args(["bench", "optim"])
+    assert (optim.slots, optim.rank) == (64, 16)
