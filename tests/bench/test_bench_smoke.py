@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from loraplex.bench import train
+from loraplex.bench import launcher, train
 from loraplex.bench.chart import read_points, render_sweep, sweep_table
 from loraplex.bench.cli import add_bench_parser, main
 
@@ -34,6 +34,15 @@ TRAIN_SUMMARY_FIELDS = (
     "peak_rss_mb",
 )
 OPTIM_SUMMARY_FIELDS = ("fused_ms", "per_slot_loop_ms", "speedup")
+SAMPLE_SUMMARY_FIELDS = (
+    "tokens_per_s",
+    "hf_peft_tokens_per_s",
+    "speedup_vs_hf_peft",
+    "base_only_tokens_per_s",
+    "peak_rss_mb",
+    "hf_peft_peak_rss_mb",
+)
+API_SUMMARY_FIELDS = ("sdk_tokens_per_s", "engine_tokens_per_s", "api_efficiency", "server_peak_rss_mb")
 FAST = ["--model", "smoke", "--rounds", "1", "--threads", "1", "--device", "cpu", "--json"]
 
 
@@ -84,6 +93,42 @@ def test_optim_compares_the_fused_step_with_the_per_slot_loop_over_the_same_tens
     assert summary["tensors"] == 3 * SMOKE_TENSORS_PER_SLOT
 
 
+def test_sample_times_the_engine_with_adapters_the_base_model_and_hf_peft_on_the_same_prompts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    shape = ["--slots", "2", "--prompts-per-slot", "3", "--prompt-len", "5", "--new-tokens", "4"]
+    shape += ["--rank", "2"]
+    *rows, summary = run_json(["sample", *FAST, *shape], capsys)
+
+    assert [r["config"] for r in rows] == ["engine", "base_only", "hf_peft"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert summary["kind"] == "summary"
+    assert_positive_numbers(summary, SAMPLE_SUMMARY_FIELDS)
+    assert math.isfinite(summary["lora_overhead"])  # a difference of timings: may be negative
+    assert summary["generated_tokens"] == 2 * 3 * 4
+    assert summary["command"].startswith("loraplex bench sample --model smoke")
+
+
+def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[launcher.Server] = []
+    real_wait = launcher._wait_healthy
+
+    def record(server: launcher.Server, timeout_s: float) -> None:
+        started.append(server)
+        real_wait(server, timeout_s)
+
+    monkeypatch.setattr(launcher, "_wait_healthy", record)
+    *rows, summary = run_json(["api", *FAST, "--slots", "2", "--tokens-per-slot", "6", "--rank", "2"], capsys)
+
+    assert [r["config"] for r in rows] == ["sdk", "engine"]
+    assert summary["kind"] == "summary"
+    assert_positive_numbers(summary, API_SUMMARY_FIELDS)
+    assert summary["tokens_per_step"] == 2 * 6
+    assert [server.proc.poll() is not None for server in started] == [True]
+
+
 def test_sweep_prints_one_point_per_grid_cell_and_the_chart_draws_them(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -116,3 +161,8 @@ def test_bench_registers_on_the_loraplex_command_with_the_contract_flags() -> No
     assert args.json and args.device == "cpu" and callable(args.handler)
     optim = parser.parse_args(["bench", "optim"])
     assert (optim.slots, optim.rank) == (64, 16)
+    sample = parser.parse_args(["bench", "sample"])
+    assert (sample.slots, sample.prompts_per_slot, sample.new_tokens) == (8, 8, 64)
+    api = parser.parse_args(["bench", "api", *flags])
+    assert (api.slots, api.tokens_per_slot, api.rank, api.model) == (3, 16, 8, "smoke")
+    assert callable(api.handler)

@@ -69,7 +69,9 @@ class SdkSteps:
         ]
         self.batches = [
             [
-                types.Datum(model_input=types.ModelInput.from_ints(d.tokens.tolist()), loss_fn_inputs=d.loss_fn_inputs)
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(d.tokens.tolist()), loss_fn_inputs=d.loss_fn_inputs
+                )
                 for d in datums
             ]
             for datums in slot_datums
@@ -77,7 +79,9 @@ class SdkSteps:
         self.params = types.AdamParams(learning_rate=_LEARNING_RATE)
 
     def __call__(self) -> None:
-        passes = [run.forward_backward(batch, _LOSS) for run, batch in zip(self.runs, self.batches, strict=True)]
+        passes = [
+            run.forward_backward(batch, _LOSS) for run, batch in zip(self.runs, self.batches, strict=True)
+        ]
         steps = [run.optim_step(self.params) for run in self.runs]
         for future in passes + steps:
             future.result()

@@ -93,14 +93,17 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     _common(optim, slots=64)
     optim.set_defaults(handler=_optim)
     sample = subcommands.add_parser(
-        "sample", help="Multi-snapshot batched sampling vs HF generate + PEFT per adapter, and vs the base model."
+        "sample",
+        help="Multi-snapshot batched sampling vs HF generate + PEFT per adapter, and vs the base model.",
     )
     _common(sample, slots=8)
     sample.add_argument("--prompts-per-slot", type=int, default=8, help="prompts per snapshot (default: 8)")
     sample.add_argument(
         "--prompt-len", type=int, default=32, help="longest prompt; lengths vary down to half (default: 32)"
     )
-    sample.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)")
+    sample.add_argument(
+        "--new-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)"
+    )
     sample.add_argument("--skip-hf", action="store_true", help="leave out the HF generate + PEFT baseline")
     sample.add_argument(
         "--memory",
@@ -115,7 +118,10 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     _common(api, slots=8)
     api.add_argument("--tokens-per-slot", type=int, default=32, help="tokens per slot per step (default: 32)")
     api.add_argument(
-        "--server-timeout-s", type=float, default=300.0, help="longest wait for the server to start (default: 300)"
+        "--server-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest wait for the server to start (default: 300)",
     )
     api.set_defaults(handler=_api)
 

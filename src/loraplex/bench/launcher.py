@@ -79,9 +79,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def serve(
-    serve_args: list[str], data_dir: Path, threads: int, timeout_s: float = 300.0
-) -> Iterator[Server]:
+def serve(serve_args: list[str], data_dir: Path, threads: int, timeout_s: float = 300.0) -> Iterator[Server]:
     """`loraplex serve *serve_args` on 127.0.0.1, a free port and `data_dir`, with `threads` torch threads."""
     port = free_port()
     data_dir.mkdir(parents=True, exist_ok=True)

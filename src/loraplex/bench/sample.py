@@ -108,7 +108,9 @@ class EngineSampling:
         self.engine = engine
         self.new_tokens = new_tokens
         self.requests = {
-            f"s{k}p{q}": SampleRequest(prompt=prompt, params=params, snapshot=snapshots[k] if snapshots else None)
+            f"s{k}p{q}": SampleRequest(
+                prompt=prompt, params=params, snapshot=snapshots[k] if snapshots else None
+            )
             for k, slot_prompts in enumerate(prompts)
             for q, prompt in enumerate(slot_prompts)
         }
@@ -202,9 +204,9 @@ def _memory(
     if device.type == "cuda":
         peak, extra = peak_gpu_mb(runs["engine"], device)
         return {"peak_gpu_mb": peak, "step_extra_gpu_mb": extra, "peak_rss_mb": own_peak_rss_mb()}
-    memory = {"peak_rss_mb": peak_rss_mb("engine", {**spec})}
+    memory = {"peak_rss_mb": peak_rss_mb("engine", spec)}
     if has_hf:
-        memory["hf_peft_peak_rss_mb"] = peak_rss_mb("hf_peft", {**spec})
+        memory["hf_peft_peak_rss_mb"] = peak_rss_mb("hf_peft", spec)
     return memory
 
 
