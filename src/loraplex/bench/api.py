@@ -104,9 +104,7 @@ def _summarize(shape: TrainShape, seconds: dict[str, list[float]]) -> dict[str, 
         "seq_len": shape.seq_len,
         "tokens_per_step": tokens,
     }
-    for name, stat in figures.items():
-        summary[name], summary[f"{name}_best"] = stat.median, stat.best
-    return summary
+    return report.add_figures(summary, figures)
 
 
 def bench_api(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from loraplex.bench.timing import Timings
+from loraplex.bench.timing import Stat, Timings
 
 # Configurations whose rows carry a tokens/s figure (the matmul probe does not): bench train's, bench
 # sample's (generated tokens) and bench api's.
@@ -90,6 +90,13 @@ def _format(value: Any) -> str:
 
 def _print_json(obj: dict[str, Any]) -> None:
     print(json.dumps(obj, sort_keys=False), flush=True)
+
+
+def add_figures(summary: dict[str, Any], figures: dict[str, Stat]) -> dict[str, Any]:
+    """Put each figure's median under its name and its best under `<name>_best`; return the summary."""
+    for name, stat in figures.items():
+        summary[name], summary[f"{name}_best"] = stat.median, stat.best
+    return summary
 
 
 def round_rows(timings: Timings) -> list[dict[str, Any]]:

@@ -225,9 +225,7 @@ def _summarize(shape: SampleShape, seconds: dict[str, list[float]]) -> dict[str,
         figures["hf_peft_tokens_per_s"] = Stat.of_rates([tokens / s for s in seconds["hf_peft"]])
         figures["speedup_vs_hf_peft"] = Stat.of_rates(ratios(seconds["hf_peft"], engine_s))
     summary: dict[str, Any] = {**asdict(shape), "generated_tokens": tokens, "rounds": len(engine_s)}
-    for name, stat in figures.items():
-        summary[name], summary[f"{name}_best"] = stat.median, stat.best
-    return summary
+    return report.add_figures(summary, figures)
 
 
 def bench_sample(args: argparse.Namespace) -> int:

@@ -202,9 +202,7 @@ def _summarize(
         "peak_tflops": peak_tflops,
         "logprob_chunk": logprob_chunk,
     }
-    for name, stat in figures.items():
-        summary[name], summary[f"{name}_best"] = stat.median, stat.best
-    return summary
+    return report.add_figures(summary, figures)
 
 
 def bench_train(args: argparse.Namespace) -> int:
