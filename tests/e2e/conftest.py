@@ -1,13 +1,11 @@
 """End-to-end fixtures: a real `loraplex serve` subprocess on a free port, driven by the official SDK.
 
-The engine is the built-in tiny model when `loraplex.engine.local` is importable, else the
-FakeEngine through tests/e2e/fake_server.py; LORAPLEX_E2E_ENGINE=tiny|fake forces one.
+The engine is the built-in tiny model.
 Every server started here is killed when its test ends.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -23,14 +21,6 @@ import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def engine_kind() -> str:
-    """Which engine the e2e servers run."""
-    forced = os.environ.get("LORAPLEX_E2E_ENGINE", "auto")
-    if forced != "auto":
-        return forced
-    return "tiny" if importlib.util.find_spec("loraplex.engine.local") else "fake"
 
 
 def free_port() -> int:
@@ -54,12 +44,11 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 120.0) -> Server:
-        program = ["-m", "loraplex.cli"] if engine_kind() == "tiny" else ["-m", "tests.e2e.fake_server"]
-        serve = ["serve"] if engine_kind() == "tiny" else []
         cmd = [
             sys.executable,
-            *program,
-            *serve,
+            "-m",
+            "loraplex.cli",
+            "serve",
             "--port",
             str(self.port),
             "--data-dir",

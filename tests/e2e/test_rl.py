@@ -11,9 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import REPO, Server, engine_kind
-
-pytestmark = pytest.mark.skipif(engine_kind() != "tiny", reason="the RL task is set for the tiny model")
+from tests.e2e.conftest import REPO, Server
 
 
 def _rewards(output: str) -> list[float]:

@@ -12,11 +12,10 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.conftest import Server, engine_kind
+from tests.e2e.conftest import Server
 from tests.e2e.sdk import PHRASE, base_model, client, create_key, logprobs, new_run, sft_steps
 
 # Stops need the model's tokenizer and backpressure a sampler that takes time: the fake engine has neither.
-pytestmark = pytest.mark.skipif(engine_kind() != "tiny", reason="sampling end to end runs on the tiny model")
 
 PROMPT = types.ModelInput.from_ints(PHRASE)
 QUEUE_LIMIT = 4  # samples queued at once on this module's server
