@@ -132,8 +132,5 @@ def bench_api(args: argparse.Namespace) -> int:
             # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
             memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
-    report.emit_rows(report.round_rows(timings), shape.num_tokens, args.json)
-    summary = {"kind": "summary", **context, **_summarize(shape, timings.seconds)}
-    summary.update(report.stall_summary(timings))
-    report.emit_summary({**summary, **memory}, args.json)
+    report.emit_run(timings, shape.num_tokens, context, _summarize(shape, timings.seconds), memory, args.json)
     return 0

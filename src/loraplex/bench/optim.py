@@ -53,13 +53,10 @@ def bench_optim(args: argparse.Namespace) -> int:
         }
         timings = time_interleaved(runs, rounds, _WARMUP, device)
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
-    rows = report.round_rows(timings)
-    report.emit_rows(rows, None, args.json)
     figures = _summarize(args, slot_params, timings.seconds)
     # Both sides live in this process (the engine's slots and the loop's copies): one peak for the two.
     memory = {"process_peak_rss_mb": own_peak_rss_mb()}
-    summary = {"kind": "summary", **context, **figures, **report.stall_summary(timings), **memory}
-    report.emit_summary(summary, args.json)
+    report.emit_run(timings, None, context, figures, memory, args.json)
     return 0
 
 

@@ -157,3 +157,17 @@ def emit_summary(summary: dict[str, Any], as_json: bool) -> None:
     for key, value in summary.items():
         if key != "kind":
             print(f"  {key}: {_format(value)}")
+
+
+def emit_run(
+    timings: Timings,
+    num_tokens: int | None,
+    context: dict[str, Any],
+    figures: dict[str, Any],
+    memory: dict[str, Any],
+    as_json: bool,
+) -> None:
+    """A measured run: its per-round rows, then the summary (context, figures, contention, memory)."""
+    emit_rows(round_rows(timings), num_tokens, as_json)
+    summary = {"kind": "summary", **context, **figures, **stall_summary(timings), **memory}
+    emit_summary(summary, as_json)

@@ -260,8 +260,6 @@ def bench_sample(args: argparse.Namespace) -> int:
         }
         memory = _memory(runs, device, spec, not args.skip_hf) if args.memory else {}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
-    report.emit_rows(report.round_rows(timings), shape.generated_tokens, args.json)
-    summary = {"kind": "summary", **context, **_summarize(shape, timings.seconds)}
-    summary.update(report.stall_summary(timings))
-    report.emit_summary({**summary, **memory}, args.json)
+    figures = _summarize(shape, timings.seconds)
+    report.emit_run(timings, shape.generated_tokens, context, figures, memory, args.json)
     return 0
