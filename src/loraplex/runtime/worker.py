@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
@@ -252,10 +253,8 @@ class EngineWorker:
                 f"checkpoint {path} already exists; pick another name or save with overwrite=True"
             )
         size = _write_replacing(self.layout.checkpoint_dir(path), write)
-        expires = None
         now = utcnow()
-        if cmd.ttl_seconds is not None:
-            expires = now.fromtimestamp(now.timestamp() + cmd.ttl_seconds, tz=now.tzinfo)
+        expires = None if cmd.ttl_seconds is None else now + timedelta(seconds=cmd.ttl_seconds)
         self.store.put_checkpoint(
             CheckpointRow(
                 run_id=run.run_id,
