@@ -8,8 +8,9 @@ The measuring modules (torch, transformers, peft) are imported only when a subco
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from loraplex.bench.presets import PRESETS
 from loraplex.errors import UserError
@@ -33,28 +34,19 @@ def _common(parser: argparse.ArgumentParser, slots: int) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line, the summary last")
 
 
-def _train(args: argparse.Namespace) -> int:
-    from loraplex.bench.train import bench_train
+def _handler(subcommand: str) -> Callable[[argparse.Namespace], int]:
+    """The entry point `bench_<subcommand>` of `loraplex.bench.<subcommand>`, imported when it runs.
 
-    return bench_train(args)
+    Every configuration measured (baselines included) runs with the host allocator the server uses."""
 
+    def run(args: argparse.Namespace) -> int:
+        from loraplex.engine.host_memory import keep_freed_host_memory
 
-def _optim(args: argparse.Namespace) -> int:
-    from loraplex.bench.optim import bench_optim
+        keep_freed_host_memory()
+        module = importlib.import_module(f"loraplex.bench.{subcommand}")
+        return getattr(module, f"bench_{subcommand}")(args)
 
-    return bench_optim(args)
-
-
-def _sample(args: argparse.Namespace) -> int:
-    from loraplex.bench.sample import bench_sample
-
-    return bench_sample(args)
-
-
-def _api(args: argparse.Namespace) -> int:
-    from loraplex.bench.api import bench_api
-
-    return bench_api(args)
+    return run
 
 
 def _add_subcommands(parser: argparse.ArgumentParser) -> None:
@@ -88,10 +80,10 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--peak-tflops", type=float, default=None, help="device's nominal dense peak, to report MFU at 4N"
     )
-    train.set_defaults(handler=_train)
+    train.set_defaults(handler=_handler("train"))
     optim = subcommands.add_parser("optim", help="Fused multi-slot AdamW step vs a per-slot AdamW loop.")
     _common(optim, slots=64)
-    optim.set_defaults(handler=_optim)
+    optim.set_defaults(handler=_handler("optim"))
     sample = subcommands.add_parser(
         "sample",
         help="Multi-snapshot batched sampling vs HF generate + PEFT per adapter, and vs the base model.",
@@ -111,7 +103,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="measure peak memory of each configuration alone (default: on)",
     )
-    sample.set_defaults(handler=_sample)
+    sample.set_defaults(handler=_handler("sample"))
     api = subcommands.add_parser(
         "api", help="The train workload through the tinker SDK over HTTP vs direct engine calls."
     )
@@ -123,7 +115,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         help="longest wait for the server to start (default: 300)",
     )
-    api.set_defaults(handler=_api)
+    api.set_defaults(handler=_handler("api"))
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

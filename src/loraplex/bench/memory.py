@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.host_memory import keep_freed_host_memory
+
 _KIB_PER_MB = 1024  # /proc and ru_maxrss count KiB
 
 
@@ -58,6 +60,7 @@ def peak_gpu_mb(run: Callable[[], object], device: torch.device) -> tuple[float,
 
 def _child_main(kind: str, spec_json: str) -> None:
     spec = json.loads(spec_json)
+    keep_freed_host_memory()  # as the measuring process does
     # The bench module is imported here, not at the top: the parent imported this module first.
     bench = importlib.import_module(f"loraplex.bench.{spec.pop('bench', 'train')}")
     run = bench.build_configuration(kind, spec)

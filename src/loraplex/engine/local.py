@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from loraplex.engine import checkpoints, snapshots
+from loraplex.engine.host_memory import keep_freed_host_memory
 from loraplex.engine.interface import Engine, EngineInfo
 from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.passes import run_pass
@@ -162,6 +163,8 @@ def build_local_engine(
     if not (model_dir / "config.json").is_file():
         raise UserError(f"--model {model}: {model_dir} is not an HF model directory (no config.json)")
     torch_device = resolve_device(device)
+    if torch_device.type == "cpu":
+        keep_freed_host_memory()
     # bf16 matmul on CPUs is ~100x slower than fp32; GPUs hold the frozen base in bf16.
     dtype = torch.float32 if torch_device.type == "cpu" else torch.bfloat16
     decoder = load_decoder(model_dir, torch_device, dtype)
