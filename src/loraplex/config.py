@@ -63,6 +63,15 @@ class ServerConfig(BaseModel):
 
     # --- scheduling and leases
     pass_token_budget: int = Field(16384, ge=1, description="Tokens packed into one engine pass (soft cap).")
+    pass_gather_quiet_ms: float = Field(
+        25.0,
+        ge=0,
+        description="A pass waits for runs that trained recently but have sent nothing yet, while other "
+        "passes keep arriving less than this apart (ms), so one step of many runs is one fused pass.",
+    )
+    pass_gather_max_ms: float = Field(
+        100.0, ge=0, description="The longest a ready pass waits for other runs to join it (ms); 0 disables."
+    )
     max_prefill_tokens: int = Field(
         8192,
         ge=1,

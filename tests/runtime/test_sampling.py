@@ -146,12 +146,16 @@ def test_each_worker_cycle_runs_one_training_plan_and_one_sampler_step(service_f
     engine.events.clear()
     with held(service):  # everything is queued before the worker plans
         samples = [service.sample("local", sampler, seq, _request()) for seq in range(3)]
+        training = []
         for seq in range(1, 7, 2):
-            service.submit("local", run, seq, sft_pass())
-            service.submit("local", run, seq + 1, OptimStep(AdamParams()))
-    for record in samples:
+            training.append(service.submit("local", run, seq, sft_pass()))
+            training.append(service.submit("local", run, seq + 1, OptimStep(AdamParams())))
+    for record in samples + training:
         result_of(service, record)
-    assert engine.events == ["pass", "optim", "add", "add", "add", "sample"] + ["pass", "optim", "sample"] * 2
+    # A plan is one pass, or one fused optim step (with any barriers); while requests are sampling
+    # (one finishes per sampler step here), a sampler step follows each plan.
+    first_step = ["pass", "add", "add", "add", "sample", "optim", "sample"]
+    assert engine.events == [*first_step, "pass", "sample", "optim", "pass", "optim"]
     assert set(engine.prefill_budgets) == {123}
 
 

@@ -1,4 +1,5 @@
-"""Scheduler: one pass packs every tenant's ready datums (fairly, within budget); optim steps fuse."""
+"""Scheduler: one pass packs every tenant's ready datums (fairly, within budget); optim steps fuse; a pass
+waits briefly for the recently active runs still sending theirs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 from loraplex.engine.types import AdamParams, DatumInput
 from loraplex.runtime.commands import OptimStep, Pass, SaveState
 from loraplex.runtime.run_queue import Entry, RunQueue, RunState
-from loraplex.runtime.scheduler import BarrierWork, OptimWork, PassWork, Scheduler
+from loraplex.runtime.scheduler import BarrierWork, Gathering, OptimWork, PassWork, Scheduler
 
 
 def _pass(tokens: int) -> Pass:
@@ -22,6 +23,12 @@ def _run(run_id: str, tenant: str, *commands: object) -> RunState:
     return RunState(run_id, tenant, "s", "m", queue)
 
 
+def _send(run: RunState, command: object, at: float) -> None:
+    """Submit `command` as the run's next seq_id at time `at`."""
+    seq = run.queue.next_seq_id + len(run.queue.pending())
+    run.queue.add(Entry(seq, f"{run.run_id}-{seq}", command, at))  # type: ignore[arg-type]
+
+
 def _ids(work: PassWork | OptimWork) -> list[str]:
     return [entry.future_id for _, entry in work.items]
 
@@ -29,36 +36,119 @@ def _ids(work: PassWork | OptimWork) -> list[str]:
 def test_one_pass_packs_all_tenants_then_one_fused_step_covers_every_run_at_optim() -> None:
     a = _run("a", "alice", _pass(4), _pass(4), OptimStep(AdamParams()))
     b = _run("b", "bob", _pass(4), OptimStep(AdamParams()))
-    plan = Scheduler(token_budget=100).plan([a, b])
-    assert [type(w) for w in plan] == [PassWork, OptimWork]
-    assert sorted(_ids(plan[0])) == ["a-1", "a-2", "b-1"]  # type: ignore[arg-type]
-    assert sorted(_ids(plan[1])) == ["a-3", "b-2"]  # type: ignore[arg-type]
+    scheduler = Scheduler(token_budget=100)
+    passes, steps = scheduler.plan([a, b], now=0.0), scheduler.plan([a, b], now=0.0)
+    assert [type(w) for w in passes + steps] == [PassWork, OptimWork]
+    assert sorted(_ids(passes[0])) == ["a-1", "a-2", "b-1"]  # type: ignore[arg-type]
+    assert sorted(_ids(steps[0])) == ["a-3", "b-2"]  # type: ignore[arg-type]
+
+
+def test_optim_steps_arriving_during_a_pass_join_one_fused_step() -> None:
+    a = _run("a", "alice", _pass(4), OptimStep(AdamParams()))
+    b = _run("b", "bob", _pass(4))
+    scheduler = Scheduler(token_budget=100)
+    assert [type(w) for w in scheduler.plan([a, b], now=0.0)] == [PassWork]
+    _send(b, OptimStep(AdamParams()), at=0.01)  # b's step lands while the pass runs
+    (step,) = scheduler.plan([a, b], now=0.02)
+    assert sorted(_ids(step)) == ["a-2", "b-2"]  # type: ignore[arg-type]
 
 
 def test_token_budget_interleaves_tenants_round_robin_so_a_big_tenant_cannot_starve_others() -> None:
     big = _run("big", "alice", *[_pass(10) for _ in range(5)])
     small = _run("small", "bob", _pass(10))
-    plan = Scheduler(token_budget=30).plan([big, small])
+    plan = Scheduler(token_budget=30).plan([big, small], now=0.0)
     assert _ids(plan[0]) == ["big-1", "small-1", "big-2"]  # type: ignore[arg-type]
     assert big.queue.next_seq_id == 3 and small.queue.next_seq_id == 2
 
 
 def test_the_first_tenant_rotates_between_plans() -> None:
     scheduler = Scheduler(token_budget=10)
-    first = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))])
-    second = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))])
+    first = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0)
+    second = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0)
     assert (_ids(first[0]), _ids(second[0])) == (["a-1"], ["b-1"])  # type: ignore[arg-type]
 
 
 def test_an_oversized_command_still_runs_alone() -> None:
-    plan = Scheduler(token_budget=5).plan([_run("a", "alice", _pass(50))])
+    plan = Scheduler(token_budget=5).plan([_run("a", "alice", _pass(50))], now=0.0)
     assert _ids(plan[0]) == ["a-1"]  # type: ignore[arg-type]
 
 
 def test_a_barrier_waits_for_the_passes_before_it_and_runs_alone() -> None:
     run = _run("a", "alice", _pass(2), SaveState("s1"), _pass(2))
-    plan = Scheduler(token_budget=100).plan([run])
+    scheduler = Scheduler(token_budget=100)
+    plan = scheduler.plan([run], now=0.0) + scheduler.plan([run], now=0.0)
     assert [type(w) for w in plan] == [PassWork, BarrierWork]
     assert _ids(plan[0]) == ["a-1"]  # type: ignore[arg-type]
     assert plan[1].entry.future_id == "a-2"  # type: ignore[union-attr]
     assert [e.future_id for e in run.queue.ready()] == ["a-3"]
+
+
+GATHER = Gathering(quiet_s=0.025, max_wait_s=0.1, active_s=10.0)
+
+
+def _trained_together(*run_ids: str) -> tuple[Scheduler, list[RunState]]:
+    """A scheduler that has just run one pass of every named run (so it expects them back)."""
+    scheduler = Scheduler(token_budget=1000, gathering=GATHER)
+    runs = [_run(run_id, "alice", _pass(4)) for run_id in run_ids]
+    assert [type(w) for w in scheduler.plan(runs, now=0.0)] == [PassWork]
+    return scheduler, runs
+
+
+def test_a_pass_waits_for_the_runs_that_trained_with_it_and_runs_the_moment_the_last_arrives() -> None:
+    scheduler, (a, b, c) = _trained_together("a", "b", "c")
+    _send(a, _pass(4), at=1.000)
+    assert scheduler.plan([a, b, c], now=1.001) == []
+    assert scheduler.wake_at == 1.025  # quiet window after the last arrival
+    _send(b, _pass(4), at=1.010)
+    assert scheduler.plan([a, b, c], now=1.011) == []
+    assert scheduler.wake_at == 1.035
+    _send(c, _pass(4), at=1.020)
+    plan = scheduler.plan([a, b, c], now=1.021)
+    assert sorted(_ids(plan[0])) == ["a-2", "b-2", "c-2"]  # type: ignore[arg-type]
+    assert scheduler.wake_at is None
+
+
+def test_a_held_pass_runs_once_arrivals_go_quiet() -> None:
+    scheduler, (a, b) = _trained_together("a", "b")
+    _send(a, _pass(4), at=1.0)
+    assert scheduler.plan([a, b], now=1.02) == []
+    assert _ids(scheduler.plan([a, b], now=1.025)[0]) == ["a-2"]  # type: ignore[arg-type]
+
+
+def test_gathering_never_holds_a_pass_longer_than_max_wait() -> None:
+    scheduler, runs = _trained_together("a", "b", "c", "d", "e", "f", "g")
+    *arriving, missing = runs
+    for i, run in enumerate(arriving):  # a steady trickle, each within the quiet window of the last
+        _send(run, _pass(4), at=1.0 + 0.02 * i)
+        now = 1.0 + 0.02 * i + 0.001
+        plan = scheduler.plan(runs, now=now)
+        if now < 1.1:
+            assert plan == [] and scheduler.wake_at == min(now - 0.001 + 0.025, 1.1)
+        else:
+            assert len(_ids(plan[0])) == i + 1  # type: ignore[arg-type]
+            break
+    else:
+        raise AssertionError("the pass was held past max_wait_s")
+    assert missing.queue.ready() == []
+
+
+def test_a_lone_client_and_a_full_budget_never_wait() -> None:
+    scheduler, (a,) = _trained_together("a")
+    _send(a, _pass(4), at=1.0)
+    assert _ids(scheduler.plan([a], now=1.0)[0]) == ["a-2"]  # type: ignore[arg-type]
+    scheduler, (a, b) = _trained_together("a", "b")
+    scheduler.token_budget = 8
+    _send(a, _pass(4), at=1.0)
+    _send(a, _pass(4), at=1.0)
+    assert _ids(scheduler.plan([a, b], now=1.0)[0]) == ["a-2", "a-3"]  # type: ignore[arg-type]
+
+
+def test_runs_idle_past_active_s_are_not_waited_for_and_other_work_is_not_held() -> None:
+    scheduler, (a, b, c) = _trained_together("a", "b", "c")
+    _send(a, _pass(4), at=20.0)  # b and c last trained 20 s ago: a runs at once
+    assert _ids(scheduler.plan([a, b, c], now=20.0)[0]) == ["a-2"]  # type: ignore[arg-type]
+    _send(a, _pass(4), at=21.0)  # now b is expected (fresh from its pass below), yet b's optim step runs
+    _send(b, OptimStep(AdamParams()), at=21.0)
+    scheduler._trained_at["c"] = 21.0
+    plan = scheduler.plan([a, b, c], now=21.001)
+    assert [type(w) for w in plan] == [OptimWork] and _ids(plan[0]) == ["b-2"]  # type: ignore[arg-type]

@@ -12,11 +12,11 @@ import logging
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.store import Store, utcnow
+from loraplex.runtime.store import FutureOutcome, Store, utcnow
 from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
 
@@ -82,14 +82,11 @@ class FutureTable:
 
     def complete(self, future_id: str, result: Result) -> None:
         """Resolve a future with its result."""
-        self._finish(future_id, COMPLETE, result=result)
+        self.finish({future_id: result})
 
     def fail(self, future_id: str, error: BaseException) -> None:
         """Resolve a future with an error (category from the exception class)."""
-        category = error_category(error)
-        if category == "server":
-            log.error("request %s failed: %r", future_id, error, exc_info=error)
-        self._finish(future_id, FAILED, error=str(error) or type(error).__name__, category=category)
+        self.finish({future_id: error})
 
     def fail_if_pending(self, future_id: str, error: BaseException) -> None:
         """Fail a future unless it already has an outcome (clean-up after an unexpected engine error)."""
@@ -98,27 +95,33 @@ class FutureTable:
         if pending:
             self.fail(future_id, error)
 
-    def _finish(self, future_id: str, status: str, **outcome: Any) -> None:
-        result = outcome.get("result")
-        self._store.finish_future(
-            future_id,
-            status,
-            encode_result(result) if result is not None else None,
-            outcome.get("error"),
-            outcome.get("category"),
+    def finish(self, outcomes: Mapping[str, Result | BaseException]) -> None:
+        """Resolve futures, each with its result or its error, in one database transaction (a fused pass
+        answers many requests at once: one commit, not one per request), then wake their waiters."""
+        records = [_outcome_record(future_id, outcome) for future_id, outcome in outcomes.items()]
+        self._store.finish_futures(
+            [
+                FutureOutcome(
+                    r.id,
+                    r.status,
+                    encode_result(r.result) if r.result is not None else None,
+                    r.error,
+                    r.category,
+                )
+                for r in records
+            ]
         )
+        waiters = []
         with self._lock:
-            record = self._pending.pop(future_id)
-            record.status = status
-            record.result, record.error, record.category = (
-                result,
-                outcome.get("error"),
-                outcome.get("category"),
-            )
-            self._done[future_id] = record
+            for outcome in records:
+                record = self._pending.pop(outcome.id)
+                record.status, record.result = outcome.status, outcome.result
+                record.error, record.category = outcome.error, outcome.category
+                self._done[outcome.id] = record
+                waiters += record._waiters
+                record._waiters = []
             while len(self._done) > self._retained:
                 self._done.popitem(last=False)
-            waiters, record._waiters = record._waiters, []
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_resolve, waiter)
 
@@ -162,6 +165,18 @@ class FutureTable:
             error=row.error,
             category=row.category,
         )
+
+
+def _outcome_record(future_id: str, outcome: Result | BaseException) -> FutureRecord:
+    """A finished record (tenant and type are the pending record's; only the outcome is filled in)."""
+    if not isinstance(outcome, BaseException):
+        return FutureRecord(future_id, "", "", COMPLETE, result=outcome)
+    category = error_category(outcome)
+    if category == "server":
+        log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
+    return FutureRecord(
+        future_id, "", "", FAILED, error=str(outcome) or type(outcome).__name__, category=category
+    )
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

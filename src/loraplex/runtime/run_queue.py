@@ -25,6 +25,7 @@ class Entry:
     seq_id: int
     future_id: str
     command: Command | None
+    arrived_at: float = 0.0  # time.monotonic() at submission: the scheduler gathers passes by it
 
 
 class RunQueue:

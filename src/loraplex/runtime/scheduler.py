@@ -1,15 +1,22 @@
 """Scheduler: decides what the engine does next, from the ready commands of every run.
 
-One plan = at most one packed pass (leading batchable commands of all runs, round-robin between
-tenants up to a token budget), then one fused optimizer step (every run whose head is optim_step
-once its passes are taken), then the remaining barriers one by one. Executing a plan's work items
-in order respects every run's seq_id order. Pure planning: no threads, no engine calls, no tensors.
+One plan = one packed pass (leading batchable commands of all runs, round-robin between tenants up
+to a token budget), or, when no pass is ready to run, one fused optimizer step (every run whose head
+is optim_step) and then the barriers one by one. Executing a plan's work items in order respects every
+run's seq_id order. Pure planning: no threads, no engine calls, no tensors.
+
+Gathering: clients submit their runs' forward_backwards one HTTP request after another, a few
+milliseconds apart. Running the first one the moment it lands would split one step of K runs into a
+pass of one run and a pass of the rest, and lose the fusion this service exists for. So while some
+run that trained recently has nothing queued and passes are still arriving (the last one less than
+`quiet_s` ago), the pass waits, at most `max_wait_s` after the first of them arrived. A lone client
+never waits: every run it trains is already ready.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from loraplex.runtime.commands import OptimStep, Pass, is_batchable
 from loraplex.runtime.run_queue import Entry, RunState
@@ -40,19 +47,36 @@ class BarrierWork:
 Work = PassWork | OptimWork | BarrierWork
 
 
+@dataclass(frozen=True)
+class Gathering:
+    """How long a pass may wait for the runs expected to join it (seconds)."""
+
+    quiet_s: float = 0.025  # run once no pass has arrived for this long
+    max_wait_s: float = 0.1  # never hold a pass longer than this after it arrived
+    active_s: float = 10.0  # a run that took part in a pass this recently is expected to send another
+
+
+@dataclass
 class Scheduler:
-    """Plans work; remembers which tenant goes first next time so none starves."""
+    """Plans work; remembers which tenant goes first next time so none starves, and which runs train."""
 
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self._rotation = 0
+    token_budget: int
+    gathering: Gathering = field(default_factory=Gathering)
+    wake_at: float | None = None  # set by plan(): when a held pass must be looked at again
+    _rotation: int = 0
+    _trained_at: dict[str, float] = field(default_factory=dict)  # run id -> time of its last pass
 
-    def plan(self, runs: Iterable[RunState]) -> list[Work]:
-        """Pop the next work items from the runs' queues (call under the service lock)."""
+    def plan(self, runs: Iterable[RunState], now: float) -> list[Work]:
+        """Pop the next work items from the runs' queues (call under the service lock); `now` is
+        time.monotonic(), the clock of Entry.arrived_at."""
         runs = list(runs)
         plan: list[Work] = []
-        if items := self._take_passes(runs):
-            plan.append(PassWork(items))
+        self.wake_at = None
+        if not self._gathering(runs, now) and (items := self._take_passes(runs)):
+            # The pass alone: the optim_steps that arrive while it runs then join the one fused step
+            # planned right after it, instead of splitting it in two.
+            self._trained_at.update((run.run_id, now) for run, _ in items)
+            return [PassWork(items)]
         optim = [(run, run.queue.pop(1)[0]) for run in runs if _head_is(run, OptimStep)]
         if optim:
             plan.append(OptimWork(optim))
@@ -62,6 +86,23 @@ class Scheduler:
                 plan.append(BarrierWork(run, run.queue.pop(1)[0]))
         return plan
 
+    def _gathering(self, runs: list[RunState], now: float) -> bool:
+        """Whether to hold the ready passes for recently active runs that have sent nothing yet."""
+        live = {run.run_id for run in runs}
+        self._trained_at = {
+            r: t for r, t in self._trained_at.items() if r in live and now - t < self.gathering.active_s
+        }
+        ready = [entry for run in runs for entry in _leading_passes(run)]
+        expected = any(run.run_id in self._trained_at and not run.queue.ready() for run in runs)
+        if not ready or not expected or sum(_tokens(e) for e in ready) >= self.token_budget:
+            return False
+        arrivals = [entry.arrived_at for entry in ready]
+        deadline = min(max(arrivals) + self.gathering.quiet_s, min(arrivals) + self.gathering.max_wait_s)
+        if now >= deadline:
+            return False
+        self.wake_at = deadline
+        return True
+
     def _take_passes(self, runs: list[RunState]) -> list[tuple[RunState, Entry]]:
         """Round-robin over tenants, one command at a time, until the token budget is used.
 
@@ -70,10 +111,8 @@ class Scheduler:
         """
         by_tenant: dict[str, list[tuple[RunState, Entry]]] = {}
         for run in runs:
-            for entry in run.queue.ready():
-                if not is_batchable(entry.command):
-                    break
-                by_tenant.setdefault(run.tenant, []).append((run, entry))
+            by_tenant.setdefault(run.tenant, []).extend((run, entry) for entry in _leading_passes(run))
+        by_tenant = {tenant: items for tenant, items in by_tenant.items() if items}
         if not by_tenant:
             return []
         tenants = sorted(by_tenant)
@@ -97,6 +136,16 @@ class Scheduler:
         for run in {id(r): r for r, _ in taken}.values():
             run.queue.pop(sum(1 for r, _ in taken if r is run))
         return taken
+
+
+def _leading_passes(run: RunState) -> list[Entry]:
+    """The run's ready commands up to its first one that cannot join a pass."""
+    out = []
+    for entry in run.queue.ready():
+        if not is_batchable(entry.command):
+            break
+        out.append(entry)
+    return out
 
 
 def _tokens(entry: Entry) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 
 from loraplex.config import ServerConfig
@@ -32,7 +33,7 @@ from loraplex.runtime.futures import FutureRecord, FutureTable
 from loraplex.runtime.keys import TenantResolver
 from loraplex.runtime.run_queue import LOST, PARKED, Entry, RunQueue, RunState
 from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleRequest
-from loraplex.runtime.scheduler import Scheduler
+from loraplex.runtime.scheduler import Gathering, Scheduler
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
 from loraplex.runtime.store.schema import SamplerRow
@@ -63,7 +64,10 @@ class TrainingService:
             self.futures,
             self.sessions,
             self.layout,
-            Scheduler(config.pass_token_budget),
+            Scheduler(
+                config.pass_token_budget,
+                Gathering(config.pass_gather_quiet_ms / 1000, config.pass_gather_max_ms / 1000),
+            ),
             self._runs,
             self.samples,
             config.max_prefill_tokens,
@@ -122,7 +126,6 @@ class TrainingService:
             if run.queue.future_for(seq_id) is not None:
                 return self._resubmitted(run, tenant, seq_id)
         self.sessions.touch(run.session_id)
-        self.store.update_run(run_id, last_request_at=utcnow())
         try:
             self._check_command(run, command)
             rejection = lost_run_error(run_id) if run.status == LOST else None
@@ -198,7 +201,7 @@ class TrainingService:
             if seq_id < run.queue.next_seq_id:  # executed before a restart: answer with its first future
                 return self._earlier_future(run, seq_id)
             record = self.futures.create(run.tenant, command.request_type, run.run_id, seq_id)
-            run.queue.add(Entry(seq_id, record.id, None if rejection else command))
+            run.queue.add(Entry(seq_id, record.id, None if rejection else command, time.monotonic()))
             self._cond.notify_all()
         if rejection is not None:
             self.futures.fail(record.id, rejection)

@@ -91,10 +91,12 @@ class EngineWorker:
             with self.cond:
                 if self._stopping:
                     return
-                plan = self.scheduler.plan(list(self.runs.values()))
+                now = time.monotonic()
+                plan = self.scheduler.plan(list(self.runs.values()), now)
                 arrivals = self.samples.take_waiting()
                 if not plan and not arrivals and not self.engine.has_sampling_work():
-                    self.cond.wait(timeout=_LEASE_CHECK_S)
+                    wake_at = self.scheduler.wake_at
+                    self.cond.wait(timeout=_LEASE_CHECK_S if wake_at is None else max(0.0, wake_at - now))
             for work in plan:
                 self._execute(work)
             for job in arrivals:
@@ -129,18 +131,15 @@ class EngineWorker:
                 PassRequest(run.slot, cmd.loss_fn, cmd.loss_fn_config, cmd.datums, cmd.forward_only)
             )
         results = self.engine.run_pass(requests) if requests else []
-        for (_, entry), result in zip(items, results, strict=True):
-            if isinstance(result, UserError):
-                self.futures.fail(entry.future_id, result)
-            else:
-                self.futures.complete(entry.future_id, result)
+        self.futures.finish(
+            {entry.future_id: result for (_, entry), result in zip(items, results, strict=True)}
+        )
 
     def _run_optim(self, items: list[tuple[RunState, Entry]]) -> None:
         items = self._with_slots(items)
         steps = {run.slot: entry.command.params for run, entry in items}  # type: ignore[union-attr]
         metrics = self.engine.optim_step(steps) if steps else {}  # type: ignore[arg-type]
-        for run, entry in items:
-            self.futures.complete(entry.future_id, {"metrics": metrics.get(run.slot, {})})  # type: ignore[arg-type]
+        self.futures.finish({entry.future_id: {"metrics": metrics.get(run.slot, {})} for run, entry in items})  # type: ignore[arg-type]
 
     def _run_barrier(self, run: RunState, entry: Entry) -> None:
         cmd = entry.command
@@ -209,7 +208,7 @@ class EngineWorker:
                 self._export_snapshot(job.export_from, snapshot, job.tenant)
             self.engine.add_sample(job.future_id, job.request)
         except Exception as exc:
-            self._finish_sample(job.future_id, exc)
+            self._finish_samples({job.future_id: exc})
 
     def _export_snapshot(self, source: CheckpointPath, target: Path, tenant: str) -> None:
         """A PEFT snapshot of a training checkpoint: load it into a spare slot, snapshot it, free the slot."""
@@ -228,19 +227,15 @@ class EngineWorker:
             log.exception("sampler step failed")
             with self.cond:
                 dropped = self.samples.active_ids()
-            for future_id in dropped:
-                self._finish_sample(future_id, exc)
+            self._finish_samples(dict.fromkeys(dropped, exc))
             return
-        for future_id, result in finished:
-            self._finish_sample(future_id, result)
+        self._finish_samples(dict(finished))
 
-    def _finish_sample(self, future_id: str, outcome: SampleResult | Exception) -> None:
+    def _finish_samples(self, outcomes: dict[str, SampleResult | Exception]) -> None:
         with self.cond:
-            self.samples.finish(future_id)
-        if isinstance(outcome, Exception):
-            self.futures.fail(future_id, outcome)
-        else:
-            self.futures.complete(future_id, outcome)
+            for future_id in outcomes:
+                self.samples.finish(future_id)
+        self.futures.finish(outcomes)
 
     # --- checkpoints
     def _save_checkpoint(

@@ -1,0 +1,59 @@
+"""FutureTable: outcomes of a fused pass are written in one transaction, wake their waiters, and read back
+the same from the database after a restart; a run's future stamps the run's last request time."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+from loraplex.errors import UserError
+from loraplex.runtime.futures import FutureTable
+from loraplex.runtime.store import Store
+from loraplex.runtime.store.schema import RunRow
+
+
+def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    futures = FutureTable(Store(url))
+    ok, user, server = (futures.create("alice", "forward_backward", "r", seq) for seq in (1, 2, 3))
+
+    async def wait_for_all() -> list[str]:
+        waits = [asyncio.create_task(futures.wait(f.id, "alice", timeout_s=5)) for f in (ok, user, server)]
+        await asyncio.sleep(0.01)  # every waiter registered before the outcomes land
+        futures.finish(
+            {
+                ok.id: {"metrics": {"loss:sum": 1.5}},
+                user.id: UserError("bad datum 3"),
+                server.id: RuntimeError(),
+            }
+        )
+        return [record.status for record in await asyncio.gather(*waits)]
+
+    assert asyncio.run(wait_for_all()) == ["complete", "failed", "failed"]
+    reread = FutureTable(Store(url))  # a restart: the records come from the database
+    outcomes = [reread.get(f.id, "alice") for f in (ok, user, server)]
+    assert outcomes[0].result == {"metrics": {"loss:sum": 1.5}}
+    assert (outcomes[1].error, outcomes[1].category) == ("bad datum 3", "user")
+    assert (outcomes[2].error, outcomes[2].category) == ("RuntimeError", "server")
+
+
+def test_a_runs_future_stamps_the_runs_last_request_time(tmp_path: Path) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    created = datetime(2026, 1, 1, tzinfo=UTC)
+    store.add_run(
+        RunRow(
+            id="s:train:0",
+            tenant="alice",
+            session_id="s",
+            base_model="m",
+            lora_config={},
+            status="live",
+            created_at=created,
+            last_request_at=created,
+        )
+    )
+    record = FutureTable(store).create("alice", "optim_step", "s:train:0", 1)
+    row = store.get_run("s:train:0")
+    assert row is not None and row.last_request_at.replace(tzinfo=UTC) > created
+    assert store.get_future(record.id) is not None
