@@ -17,6 +17,7 @@ from loraplex.model.multi_lora import (
     MultiLoRALinear,
     Segment,
     SlotWeights,
+    _StackCache,
     add_lora_delta,
     add_lora_delta_reference,
     init_lora_pair,
@@ -307,3 +308,20 @@ def test_a_loss_on_one_slots_tokens_gives_other_slots_no_gradient(
             assert all(grad is not None and grad.abs().max() > 0 for grad in grads)
         else:
             assert all(grad is None or not grad.any() for grad in grads)
+
+
+def test_stacked_slot_weights_are_reused_until_a_source_changes_in_place() -> None:
+    cache = _StackCache(max_bytes=3 * 2 * 4 * 5 * 4)  # room for three (2, 4, 5) fp32 stacks
+    a, b, c = (torch.randn(4, 5) for _ in range(3))
+    first = cache.stacked([a, b])
+    assert cache.stacked([a, b]) is first  # sampling's next decode step: no copy
+    assert cache.stacked([b, a]) is not first  # another order is another stack
+    before = a.clone()
+    with torch.no_grad():
+        a.add_(1.0)  # an optimizer step on a training slot
+    fresh = cache.stacked([a, b])
+    assert fresh is not first and torch.equal(fresh[0], a) and torch.equal(first[0], before)
+    cache.stacked([a, c])
+    cache.stacked([b, c])  # a fourth stack: the least recently used, [b, a], is dropped
+    assert cache.stacked([a, b]) is fresh
+    assert cache.stacked([a]).data_ptr() == a.data_ptr()  # one tensor: a view, never cached

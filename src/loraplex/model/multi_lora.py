@@ -14,6 +14,8 @@ L tokens of each of them.
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -163,9 +165,55 @@ def _is_stackable(weights: SlotWeights) -> bool:
     return weights.A_RI.device.type != "cpu" or size <= _CPU_MAX_STACKED_ELEMENTS
 
 
-def _stacked(tensors: list[Tensor]) -> Tensor:
-    """(G, ...) of G equally shaped tensors; a view, not a copy, when G is 1."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+class _Stack(NamedTuple):
+    sources: tuple[weakref.ref[Tensor], ...]
+    versions: tuple[int, ...]
+    stacked: Tensor
+
+
+class _StackCache:
+    """Stacked copies of slot tensors, reused for as long as none of their sources changed.
+
+    Sampling decodes hundreds of steps with the same snapshots in the same order, and without this every
+    layer of every step copied the same A and B into a fresh stack. A source is the same when it is the
+    same tensor object (held weakly, so the cache keeps no slot alive) with the same version counter
+    (bumped by every in-place write: an optimizer step makes a training slot's stack stale). Least
+    recently used stacks are dropped past `max_bytes`.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
+        self._bytes = 0
+
+    def stacked(self, tensors: list[Tensor]) -> Tensor:
+        """(G, ...) of G equally shaped tensors; a view, not a copy, when G is 1."""
+        if len(tensors) == 1:
+            return tensors[0].unsqueeze(0)
+        key, versions = tuple(map(id, tensors)), tuple(t._version for t in tensors)
+        hit = self._stacks.get(key)
+        if (
+            hit is not None
+            and hit.versions == versions
+            and all(ref() is t for ref, t in zip(hit.sources, tensors, strict=True))
+        ):
+            self._stacks.move_to_end(key)
+            return hit.stacked
+        stacked = torch.stack(tensors)
+        self._drop(key)
+        self._stacks[key] = _Stack(tuple(map(weakref.ref, tensors)), versions, stacked)
+        self._bytes += stacked.nbytes
+        while self._bytes > self.max_bytes:
+            self._drop(next(iter(self._stacks)))
+        return stacked
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        if (old := self._stacks.pop(key, None)) is not None:
+            self._bytes -= old.stacked.nbytes
+
+
+# Enough for every stacked layer of a few batch compositions of the tiny and bench models at rank 16.
+_STACKS = _StackCache(max_bytes=64 * 2**20)
 
 
 def _scale_G11(run: _Run, like: Tensor) -> Tensor | float:
@@ -192,8 +240,8 @@ class _SegmentedLoRA(torch.autograd.Function):
         for run in runs:
             G, L = len(run.indices), run.length
             x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
-            A_GRI = _stacked([pairs[2 * i] for i in run.indices])
-            B_GOR = _stacked([pairs[2 * i + 1] for i in run.indices])
+            A_GRI = _STACKS.stacked([pairs[2 * i] for i in run.indices])
+            B_GOR = _STACKS.stacked([pairs[2 * i + 1] for i in run.indices])
             # Scale the narrow (G, L, R) intermediate rather than the (G, L, O) result.
             shrunk_GLR = torch.bmm(x_GLI, A_GRI.transpose(1, 2)).mul_(_scale_G11(run, x_GLI))
             y_GLO = y_TO[run.start : run.end].view(G, L, -1)
