@@ -310,7 +310,7 @@ def test_a_loss_on_one_slots_tokens_gives_other_slots_no_gradient(
             assert all(grad is None or not grad.any() for grad in grads)
 
 
-def test_stacked_slot_weights_are_reused_until_a_source_changes_in_place() -> None:
+def test_stacked_snapshot_weights_are_reused_until_a_source_changes_and_training_ones_never() -> None:
     cache = _StackCache(max_bytes=3 * 2 * 4 * 5 * 4)  # room for three (2, 4, 5) fp32 stacks
     a, b, c = (torch.randn(4, 5) for _ in range(3))
     first = cache.stacked([a, b])
@@ -325,3 +325,5 @@ def test_stacked_slot_weights_are_reused_until_a_source_changes_in_place() -> No
     cache.stacked([b, c])  # a fourth stack: the least recently used, [b, a], is dropped
     assert cache.stacked([a, b]) is fresh
     assert cache.stacked([a]).data_ptr() == a.data_ptr()  # one tensor: a view, never cached
+    trained = [torch.randn(4, 5, requires_grad=True) for _ in range(2)]  # a training slot's leaves
+    assert cache.stacked(trained) is not cache.stacked(trained)  # always stacked afresh

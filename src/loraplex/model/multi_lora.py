@@ -175,9 +175,11 @@ class _StackCache:
     """Stacked copies of slot tensors, reused for as long as none of their sources changed.
 
     Sampling decodes hundreds of steps with the same snapshots in the same order, and without this every
-    layer of every step copied the same A and B into a fresh stack. A source is the same when it is the
-    same tensor object (held weakly, so the cache keeps no slot alive) with the same version counter
-    (bumped by every in-place write: an optimizer step makes a training slot's stack stale). Least
+    layer of every step copied the same A and B into a fresh stack. Only tensors that take no gradient
+    are cached (sampling snapshots, immutable): a training slot changes in place every step, and the
+    fused AdamW kernel does not bump version counters, so its stacks are always built afresh. A cached
+    source is the same when it is the same tensor object (held weakly, so the cache keeps no snapshot
+    alive) with the same version counter (a guard against in-place writes such as copy_). Least
     recently used stacks are dropped past `max_bytes`.
     """
 
@@ -190,6 +192,8 @@ class _StackCache:
         """(G, ...) of G equally shaped tensors; a view, not a copy, when G is 1."""
         if len(tensors) == 1:
             return tensors[0].unsqueeze(0)
+        if any(t.requires_grad for t in tensors):
+            return torch.stack(tensors)
         key, versions = tuple(map(id, tensors)), tuple(t._version for t in tensors)
         hit = self._stacks.get(key)
         if (
