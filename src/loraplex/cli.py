@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -142,7 +143,25 @@ def run_server(config: ServerConfig, engine: Any) -> None:
         "database %s; data in %s; auth %s", service.store.display_url, config.data_dir.resolve(), config.auth
     )
     log.info("listening on http://%s:%d (Tinker base_url)", config.host, config.port)
-    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level="warning")
+    app = create_app(service, run_service=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineWorker.run).
+    # uvicorn installs no signal handlers off the main thread: SIGINT and SIGTERM stop the engine loop
+    # after its current plan, then the HTTP server.
+    http = threading.Thread(target=server.run, name="loraplex-http", daemon=True)
+    stop = service.worker.request_stop
+    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
+    try:
+        service.worker.run(keep_running=http.is_alive)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.should_exit = True
+        http.join(timeout=30)
+        service.stop()
+    if not server.started:
+        raise ServerError(f"the HTTP server did not start on {config.host}:{config.port} (see the log above)")
 
 
 # --- engine-worker
@@ -250,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -35,11 +35,15 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(error)}, status_code=status, headers=headers)
 
 
-def create_app(training_service: TrainingService) -> FastAPI:
-    """The app over a (not yet started) service; the app's lifespan starts and stops it."""
+def create_app(training_service: TrainingService, run_service: bool = True) -> FastAPI:
+    """The app over a (not yet started) service. Its lifespan starts and stops the service, unless
+    `run_service` is False: then whoever serves the app runs the service's engine worker itself."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if not run_service:
+            yield
+            return
         training_service.start()
         try:
             yield
