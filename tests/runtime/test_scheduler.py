@@ -152,3 +152,11 @@ def test_runs_idle_past_active_s_are_not_waited_for_and_other_work_is_not_held()
     scheduler._trained_at["c"] = 21.0
     plan = scheduler.plan([a, b, c], now=21.001)
     assert [type(w) for w in plan] == [OptimWork] and _ids(plan[0]) == ["b-2"]  # type: ignore[arg-type]
+
+
+def test_a_stream_of_passes_does_not_starve_another_runs_step_or_barrier() -> None:
+    busy = _run("busy", "alice", *[_pass(4) for _ in range(3)])
+    stepping = _run("stepping", "bob", OptimStep(AdamParams()), SaveState("s1"))
+    scheduler = Scheduler(token_budget=4)  # one pass command per plan
+    kinds = [[type(w).__name__ for w in scheduler.plan([busy, stepping], now=0.0)] for _ in range(4)]
+    assert kinds == [["PassWork"], ["OptimWork", "BarrierWork"], ["PassWork"], ["PassWork"]]

@@ -1,9 +1,9 @@
 """Scheduler: decides what the engine does next, from the ready commands of every run.
 
 One plan = one packed pass (leading batchable commands of all runs, round-robin between tenants up
-to a token budget), or, when no pass is ready to run, one fused optimizer step (every run whose head
-is optim_step) and then the barriers one by one. Executing a plan's work items in order respects every
-run's seq_id order. Pure planning: no threads, no engine calls, no tensors.
+to a token budget), or else one fused optimizer step (every run whose head is optim_step) and then
+the barriers one by one; after a pass, the steps and barriers go first. Executing a plan's work items
+in order respects every run's seq_id order. Pure planning: no threads, no engine calls, no tensors.
 
 Gathering: clients submit their runs' forward_backwards one HTTP request after another, a few
 milliseconds apart. Running the first one the moment it lands would split one step of K runs into a
@@ -65,18 +65,28 @@ class Scheduler:
     wake_at: float | None = None  # set by plan(): when a held pass must be looked at again
     _rotation: int = 0
     _trained_at: dict[str, float] = field(default_factory=dict)  # run id -> time of its last pass
+    _passed_last: bool = False  # the previous plan was a pass
 
     def plan(self, runs: Iterable[RunState], now: float) -> list[Work]:
         """Pop the next work items from the runs' queues (call under the service lock); `now` is
         time.monotonic(), the clock of Entry.arrived_at."""
         runs = list(runs)
-        plan: list[Work] = []
         self.wake_at = None
+        # After a pass, steps and barriers go first, so a stream of passes cannot starve them.
+        steps_first, self._passed_last = self._passed_last, False
+        if steps_first and (steps := self._take_steps(runs)):
+            return steps
         if not self._gathering(runs, now) and (items := self._take_passes(runs)):
             # The pass alone: the optim_steps that arrive while it runs then join the one fused step
             # planned right after it, instead of splitting it in two.
             self._trained_at.update((run.run_id, now) for run, _ in items)
+            self._passed_last = True
             return [PassWork(items)]
+        return self._take_steps(runs)
+
+    def _take_steps(self, runs: list[RunState]) -> list[Work]:
+        """One fused optim step of every run at optim_step, then the runs' ready barriers."""
+        plan: list[Work] = []
         optim = [(run, run.queue.pop(1)[0]) for run in runs if _head_is(run, OptimStep)]
         if optim:
             plan.append(OptimWork(optim))
