@@ -98,26 +98,15 @@ class FutureTable:
     def finish(self, outcomes: Mapping[str, Result | BaseException]) -> None:
         """Resolve futures, each with its result or its error, in one database transaction (a fused pass
         answers many requests at once: one commit, not one per request), then wake their waiters."""
-        records = [_outcome_record(future_id, outcome) for future_id, outcome in outcomes.items()]
-        self._store.finish_futures(
-            [
-                FutureOutcome(
-                    r.id,
-                    r.status,
-                    encode_result(r.result) if r.result is not None else None,
-                    r.error,
-                    r.category,
-                )
-                for r in records
-            ]
-        )
+        rows = [_outcome_row(future_id, outcome) for future_id, outcome in outcomes.items()]
+        self._store.finish_futures(rows)
         waiters = []
         with self._lock:
-            for outcome in records:
-                record = self._pending.pop(outcome.id)
-                record.status, record.result = outcome.status, outcome.result
-                record.error, record.category = outcome.error, outcome.category
-                self._done[outcome.id] = record
+            for row, outcome in zip(rows, outcomes.values(), strict=True):
+                record = self._pending.pop(row.id)
+                record.status, record.error, record.category = row.status, row.error, row.category
+                record.result = None if isinstance(outcome, BaseException) else outcome
+                self._done[row.id] = record
                 waiters += record._waiters
                 record._waiters = []
             while len(self._done) > self._retained:
@@ -167,16 +156,15 @@ class FutureTable:
         )
 
 
-def _outcome_record(future_id: str, outcome: Result | BaseException) -> FutureRecord:
-    """A finished record (tenant and type are the pending record's; only the outcome is filled in)."""
+def _outcome_row(future_id: str, outcome: Result | BaseException) -> FutureOutcome:
+    """What finishing a future writes: its encoded result, or its error and category."""
     if not isinstance(outcome, BaseException):
-        return FutureRecord(future_id, "", "", COMPLETE, result=outcome)
+        encoded = encode_result(outcome) if outcome is not None else None
+        return FutureOutcome(future_id, COMPLETE, encoded, None, None)
     category = error_category(outcome)
     if category == "server":
         log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
-    return FutureRecord(
-        future_id, "", "", FAILED, error=str(outcome) or type(outcome).__name__, category=category
-    )
+    return FutureOutcome(future_id, FAILED, None, str(outcome) or type(outcome).__name__, category)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
