@@ -7,7 +7,7 @@ Returned rows are detached snapshots; changing them changes nothing. No tensors,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -225,9 +225,17 @@ class Store:
             category=bindparam("category"),
             completed_at=now,
         )
-        rows = [{"future_id": outcome.id, **asdict(outcome)} for outcome in outcomes]
-        for row in rows:
-            del row["id"]  # a parameter named like a column would also be SET
+        # The id goes in as `future_id`: a parameter named like a column would also be SET.
+        rows = [
+            {
+                "future_id": o.id,
+                "status": o.status,
+                "result": o.result,
+                "error": o.error,
+                "category": o.category,
+            }
+            for o in outcomes
+        ]
         with self._engine.begin() as connection:
             connection.execute(statement, rows)
 
