@@ -6,7 +6,8 @@ and re-allocates the same large activation, logits and gradient buffers every ti
 each step pays for zero-filling tens of MB of new pages through page faults (~19,000 minor faults per
 `bench train` step, ~8 once tuned) and the server's engine thread, not being the main thread, cannot keep
 its large buffers at all. Raising both thresholds and using one arena keeps them for reuse; the cost is
-that up to the trim threshold of freed memory stays resident.
+that up to the trim threshold of freed memory stays resident. `LORAPLEX_HOST_MALLOC=default` in the
+environment keeps glibc's defaults (less memory, slower steps; also how the two are compared).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,9 @@ TRIM_THRESHOLD = 1024 * 2**20
 
 def keep_freed_host_memory() -> bool:
     """Tune glibc's malloc for a process that re-allocates the same large buffers every step; False (and
-    nothing changed) where the C library is not glibc."""
+    nothing changed) where the C library is not glibc or LORAPLEX_HOST_MALLOC=default."""
+    if os.environ.get("LORAPLEX_HOST_MALLOC") == "default":
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
