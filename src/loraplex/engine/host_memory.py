@@ -4,8 +4,8 @@ glibc's malloc serves every block above its mmap threshold (≤ 32 MiB) with a f
 free, and a thread other than the main one allocates from an arena capped at 64 MiB. A training step frees
 and re-allocates the same large activation, logits and gradient buffers every time, so with the defaults
 each step pays for zero-filling tens of MB of new pages through page faults (~19,000 minor faults per
-`bench train` step, ~8 once tuned) and the server's engine thread, not being the main thread, cannot keep
-its large buffers at all. Raising both thresholds and using one arena keeps them for reuse; the cost is
+`bench train` step after warm-up, ~8 once tuned), and an engine on any thread but the main one cannot
+keep its large buffers at all. Raising both thresholds and using one arena keeps them for reuse; the cost is
 that up to the trim threshold of freed memory stays resident. `LORAPLEX_HOST_MALLOC=default` in the
 environment keeps glibc's defaults (less memory, slower steps; also how the two are compared).
 """
