@@ -97,13 +97,7 @@ def _summarize(shape: TrainShape, seconds: dict[str, list[float]]) -> dict[str, 
         "sdk_step_s": Stat.of_times(seconds["sdk"]),
         "engine_step_s": Stat.of_times(seconds["engine"]),
     }
-    summary: dict[str, Any] = {
-        "slots": shape.slots,
-        "tokens_per_slot": shape.tokens_per_slot,
-        "rank": shape.rank,
-        "seq_len": shape.seq_len,
-        "tokens_per_step": tokens,
-    }
+    summary: dict[str, Any] = shape.summary_fields()
     return report.add_figures(summary, figures)
 
 

@@ -190,11 +190,7 @@ def _summarize(
     if peak_tflops:
         figures["mfu"] = Stat.of_rates([r / (peak_tflops * 1e12) for r in useful_rate])
     summary: dict[str, Any] = {
-        "slots": shape.slots,
-        "tokens_per_slot": shape.tokens_per_slot,
-        "rank": shape.rank,
-        "seq_len": shape.seq_len,
-        "tokens_per_step": tokens,
+        **shape.summary_fields(),
         "matmul_params": matmul_params(config),
         "flops_per_token": per_token,
         "attention_flops_per_token": attention,

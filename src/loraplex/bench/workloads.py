@@ -87,6 +87,16 @@ class TrainShape:
         """Tokens in one step over all slots."""
         return self.slots * self.tokens_per_slot
 
+    def summary_fields(self) -> dict[str, int]:
+        """The shape as a bench summary reports it."""
+        return {
+            "slots": self.slots,
+            "tokens_per_slot": self.tokens_per_slot,
+            "rank": self.rank,
+            "seq_len": self.seq_len,
+            "tokens_per_step": self.num_tokens,
+        }
+
 
 def make_slot_datums(shape: TrainShape, vocab_size: int, seed: int = _SEED) -> list[list[DatumInput]]:
     """Per slot its sequences: random token ids, next-token targets, cross_entropy with unit weights."""
