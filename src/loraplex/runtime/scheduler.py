@@ -45,6 +45,8 @@ class BarrierWork:
 
 
 Work = PassWork | OptimWork | BarrierWork
+# Each run with its leading ready commands that can join a pass (computed once per plan).
+Passes = list[tuple[RunState, list[Entry]]]
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ class Scheduler:
         steps_first, self._passed_last = self._passed_last, False
         if steps_first and (steps := self._take_steps(runs)):
             return steps
-        if not self._gathering(runs, now) and (items := self._take_passes(runs)):
+        passes = [(run, _leading_passes(run)) for run in runs]
+        if not self._gathering(runs, passes, now) and (items := self._take_passes(passes)):
             # The pass alone: the optim_steps that arrive while it runs then join the one fused step
             # planned right after it, instead of splitting it in two.
             self._trained_at.update((run.run_id, now) for run, _ in items)
@@ -96,13 +99,13 @@ class Scheduler:
                 plan.append(BarrierWork(run, run.queue.pop(1)[0]))
         return plan
 
-    def _gathering(self, runs: list[RunState], now: float) -> bool:
+    def _gathering(self, runs: list[RunState], passes: Passes, now: float) -> bool:
         """Whether to hold the ready passes for recently active runs that have sent nothing yet."""
         live = {run.run_id for run in runs}
         self._trained_at = {
             r: t for r, t in self._trained_at.items() if r in live and now - t < self.gathering.active_s
         }
-        ready = [entry for run in runs for entry in _leading_passes(run)]
+        ready = [entry for _, entries in passes for entry in entries]
         expected = any(run.run_id in self._trained_at and not run.queue.ready() for run in runs)
         if not ready or not expected or sum(_tokens(e) for e in ready) >= self.token_budget:
             return False
@@ -113,15 +116,15 @@ class Scheduler:
         self.wake_at = deadline
         return True
 
-    def _take_passes(self, runs: list[RunState]) -> list[tuple[RunState, Entry]]:
+    def _take_passes(self, passes: Passes) -> list[tuple[RunState, Entry]]:
         """Round-robin over tenants, one command at a time, until the token budget is used.
 
         A tenant whose next command does not fit stops for this pass (keeping its runs in order);
         the first command always fits, so an oversized one still runs alone.
         """
         by_tenant: dict[str, list[tuple[RunState, Entry]]] = {}
-        for run in runs:
-            by_tenant.setdefault(run.tenant, []).extend((run, entry) for entry in _leading_passes(run))
+        for run, entries in passes:
+            by_tenant.setdefault(run.tenant, []).extend((run, entry) for entry in entries)
         by_tenant = {tenant: items for tenant, items in by_tenant.items() if items}
         if not by_tenant:
             return []
