@@ -144,7 +144,12 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     )
     log.info("listening on http://%s:%d (Tinker base_url)", config.host, config.port)
     app = create_app(service, run_service=False)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    # The C parser and event loop (pinned dependencies): each request's Python time is time the engine's
+    # thread may wait for the GIL, and the SDK makes two requests per forward_backward or optim_step.
+    http_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level="warning", http="httptools", loop="uvloop"
+    )
+    server = uvicorn.Server(http_config)
     # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineWorker.run).
     # uvicorn installs no signal handlers off the main thread: SIGINT and SIGTERM stop the engine loop
     # after its current plan, then the HTTP server.

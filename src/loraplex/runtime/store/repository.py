@@ -201,43 +201,34 @@ class Store:
         return self._get(SamplerRow, sampler_id)
 
     # --- futures
-    # add_future and finish_futures run on every request: Core statements on a connection, not the ORM's
-    # unit of work, which costs several times more Python per row.
+    # add_future and finish_futures run on every request: prebuilt Core statements on a connection, not
+    # the ORM's unit of work, which costs several times more Python per row.
     def add_future(self, row: FutureRow) -> None:
         """Store a new future; a run's future also stamps the run's last request time (one transaction)."""
-        values = {column.key: getattr(row, column.key) for column in FutureRow.__table__.columns}
+        values = {column.key: getattr(row, column.key) for column in _FUTURES.columns}
         with self._engine.begin() as connection:
-            connection.execute(insert(FutureRow.__table__), values)
+            connection.execute(_INSERT_FUTURE, values)
             if row.run_id is not None:
-                stamp = update(RunRow.__table__).where(RunRow.__table__.c.id == row.run_id)
-                connection.execute(stamp.values(last_request_at=row.created_at))
+                connection.execute(_STAMP_RUN, {"stamped_run": row.run_id, "stamped_at": row.created_at})
 
     def finish_futures(self, outcomes: Sequence[FutureOutcome]) -> None:
         """Record the outcomes of several futures in one transaction."""
         if not outcomes:
             return
-        table, now = FutureRow.__table__, utcnow()
-        statement = update(table).where(table.c.id == bindparam("future_id"))
-        statement = statement.values(
-            status=bindparam("status"),
-            result=bindparam("result"),
-            error=bindparam("error"),
-            category=bindparam("category"),
-            completed_at=now,
-        )
-        # The id goes in as `future_id`: a parameter named like a column would also be SET.
+        now = utcnow()
         rows = [
             {
                 "future_id": o.id,
-                "status": o.status,
-                "result": o.result,
-                "error": o.error,
-                "category": o.category,
+                "new_status": o.status,
+                "new_result": o.result,
+                "new_error": o.error,
+                "new_category": o.category,
+                "done_at": now,
             }
             for o in outcomes
         ]
         with self._engine.begin() as connection:
-            connection.execute(statement, rows)
+            connection.execute(_FINISH_FUTURE, rows)
 
     def get_future(self, future_id: str) -> FutureRow | None:
         """A future by id."""
@@ -260,6 +251,28 @@ class Store:
         with self._session() as s:
             rows: Sequence[Any] = s.execute(query.group_by(FutureRow.run_id)).all()
         return {run_id: seq for run_id, seq in rows if seq is not None}
+
+
+# The request path's statements, built once (building one costs more than running it on SQLite). Bound
+# parameters are named unlike any column: one named like a column would also be SET by an UPDATE.
+_FUTURES, _RUNS = FutureRow.__table__, RunRow.__table__
+_INSERT_FUTURE = insert(_FUTURES)
+_STAMP_RUN = (
+    update(_RUNS)
+    .where(_RUNS.c.id == bindparam("stamped_run"))
+    .values(last_request_at=bindparam("stamped_at"))
+)
+_FINISH_FUTURE = (
+    update(_FUTURES)
+    .where(_FUTURES.c.id == bindparam("future_id"))
+    .values(
+        status=bindparam("new_status"),
+        result=bindparam("new_result"),
+        error=bindparam("new_error"),
+        category=bindparam("new_category"),
+        completed_at=bindparam("done_at"),
+    )
+)
 
 
 def _same_path(run_id: str, kind: str, name: str) -> tuple[Any, ...]:
