@@ -42,7 +42,14 @@ SAMPLE_SUMMARY_FIELDS = (
     "peak_rss_mb",
     "hf_peft_peak_rss_mb",
 )
-API_SUMMARY_FIELDS = ("sdk_tokens_per_s", "engine_tokens_per_s", "api_efficiency", "server_peak_rss_mb")
+API_SUMMARY_FIELDS = (
+    "sdk_tokens_per_s",
+    "engine_tokens_per_s",
+    "api_efficiency",
+    "server_peak_rss_mb",
+)
+# CPU seconds per step, counted in 10 ms ticks: a micro model's step may count none.
+API_CPU_FIELDS = ("sdk_client_cpu_s", "sdk_server_cpu_s", "engine_cpu_s")
 FAST = ["--model", "smoke", "--rounds", "1", "--threads", "1", "--device", "cpu", "--json"]
 
 
@@ -125,6 +132,8 @@ def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
     assert [r["config"] for r in rows] == ["sdk", "engine"]
     assert summary["kind"] == "summary"
     assert_positive_numbers(summary, API_SUMMARY_FIELDS)
+    assert all(math.isfinite(summary[name]) and summary[name] >= 0 for name in API_CPU_FIELDS)
+    assert all("process_cpu_s" in row and "server_cpu_s" in row for row in rows)
     assert summary["tokens_per_step"] == 2 * 6
     assert [server.proc.poll() is not None for server in started] == [True]
 

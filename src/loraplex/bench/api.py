@@ -22,7 +22,7 @@ import torch
 from loraplex.bench import report
 from loraplex.bench.launcher import serve
 from loraplex.bench.memory import own_peak_rss_mb
-from loraplex.bench.timing import Stat, ratios, time_interleaved
+from loraplex.bench.timing import Stat, Timings, ratios, time_interleaved
 from loraplex.bench.train import build_engine, run_dtype
 from loraplex.bench.workloads import TrainShape, make_slot_datums, prepare_model_dir, to_requests
 from loraplex.engine.local import LocalEngine, resolve_device
@@ -87,15 +87,20 @@ class SdkSteps:
             future.result()
 
 
-def _summarize(shape: TrainShape, seconds: dict[str, list[float]]) -> dict[str, Any]:
-    """Medians and bests; the ratio taken round by round, then summarised."""
-    tokens = shape.num_tokens
+def _summarize(shape: TrainShape, timings: Timings) -> dict[str, Any]:
+    """Medians and bests; the ratio taken round by round, then summarised. The CPU figures say where an
+    SDK step's time goes: this process runs the SDK client during the sdk rounds (and the engine during
+    the engine rounds), on the same cores as the server."""
+    tokens, seconds, cpu = shape.num_tokens, timings.seconds, timings.cpu
     figures = {
         "sdk_tokens_per_s": Stat.of_rates([tokens / s for s in seconds["sdk"]]),
         "engine_tokens_per_s": Stat.of_rates([tokens / s for s in seconds["engine"]]),
         "api_efficiency": Stat.of_rates(ratios(seconds["engine"], seconds["sdk"])),
         "sdk_step_s": Stat.of_times(seconds["sdk"]),
         "engine_step_s": Stat.of_times(seconds["engine"]),
+        "engine_cpu_s": Stat.of_times(cpu["process"]["engine"]),
+        "sdk_client_cpu_s": Stat.of_times(cpu["process"]["sdk"]),
+        "sdk_server_cpu_s": Stat.of_times(cpu["server"]["sdk"]),
     }
     summary: dict[str, Any] = shape.summary_fields()
     return report.add_figures(summary, figures)
@@ -122,9 +127,9 @@ def bench_api(args: argparse.Namespace) -> int:
                 "sdk": SdkSteps(server.base_url, model_dir.name, shape, slot_datums),
                 "engine": DirectSteps(engine, shape, slot_datums),
             }
-            timings = time_interleaved(runs, rounds, _WARMUP, device)
+            timings = time_interleaved(runs, rounds, _WARMUP, device, {"server": server.cpu_seconds})
             # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
             memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
-    report.emit_run(timings, shape.num_tokens, context, _summarize(shape, timings.seconds), memory, args.json)
+    report.emit_run(timings, shape.num_tokens, context, _summarize(shape, timings), memory, args.json)
     return 0

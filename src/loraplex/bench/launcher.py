@@ -20,6 +20,8 @@ import httpx
 _HOST = "127.0.0.1"
 _STOP_WAIT_S = 15.0
 _KIB_PER_MB = 1024
+# utime and stime in /proc/<pid>/stat, counted from the field after the command name's ")".
+_UTIME, _STIME = 11, 12
 
 
 def free_port() -> int:
@@ -41,6 +43,11 @@ class Server:
     def base_url(self) -> str:
         """The server's HTTP root."""
         return f"http://{_HOST}:{self.port}"
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds the server process has used so far (Linux /proc; 10 ms ticks)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[_UTIME]) + int(fields[_STIME])) / os.sysconf("SC_CLK_TCK")
 
     def peak_rss_mb(self) -> float | None:
         """The server process's resident-set high-water mark (VmHWM), None where /proc cannot say."""

@@ -109,6 +109,7 @@ def round_rows(timings: Timings) -> list[dict[str, Any]]:
             "config": name,
             "seconds": times[r],
             "cpu_stall_fraction": timings.stall[name][r],
+            **{f"{probe}_cpu_s": per_config[name][r] for probe, per_config in timings.cpu.items()},
         }
         for r in range(rounds)
         for name, times in timings.seconds.items()

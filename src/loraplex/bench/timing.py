@@ -35,31 +35,53 @@ def cpu_stall_us() -> int | None:
     return int(first_line.rsplit("total=", 1)[1])
 
 
+# CPU seconds a probe has counted so far (this process's, or another process's); read around each call.
+CpuProbe = Callable[[], float]
+
+
 @dataclass
 class Timings:
-    """Per configuration, one entry per round: wall seconds, and the CPU-stalled share of that time."""
+    """Per configuration, one entry per round: wall seconds, the CPU-stalled share of that time, and the
+    CPU seconds each probe counted during the call (`cpu[probe][configuration]`)."""
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     stall: dict[str, list[float | None]] = field(default_factory=dict)
+    cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
 
 def time_interleaved(
-    configurations: Mapping[str, Callable[[], object]], rounds: int, warmup: int, device: torch.device
+    configurations: Mapping[str, Callable[[], object]],
+    rounds: int,
+    warmup: int,
+    device: torch.device,
+    cpu_probes: Mapping[str, CpuProbe] | None = None,
 ) -> Timings:
-    """Time each configuration once per round, rounds interleaved, after `warmup` untimed rounds."""
+    """Time each configuration once per round, rounds interleaved, after `warmup` untimed rounds.
+
+    The CPU of this process is always counted (probe "process"); `cpu_probes` adds others.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be ≥ 1, got {rounds}")
+    probes = {"process": time.process_time, **(cpu_probes or {})}
     for _ in range(warmup):
         for run in configurations.values():
             run()
-    timings = Timings({name: [] for name in configurations}, {name: [] for name in configurations})
+    names = list(configurations)
+    timings = Timings(
+        {name: [] for name in names},
+        {name: [] for name in names},
+        {probe: {name: [] for name in names} for probe in probes},
+    )
     for _ in range(rounds):
         for name, run in configurations.items():
             synchronize(device)
+            cpu_start = {probe: read() for probe, read in probes.items()}
             stall_start, start = cpu_stall_us(), time.perf_counter()
             run()
             synchronize(device)
             elapsed, stall_end = time.perf_counter() - start, cpu_stall_us()
+            for probe, read in probes.items():
+                timings.cpu[probe][name].append(read() - cpu_start[probe])
             timings.seconds[name].append(elapsed)
             stalled = None if stall_start is None or stall_end is None else (stall_end - stall_start) / 1e6
             timings.stall[name].append(None if stalled is None else min(1.0, stalled / elapsed))
