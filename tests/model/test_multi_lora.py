@@ -119,6 +119,23 @@ def test_fused_delta_gradients_equal_the_per_token_loop(ranks: dict[int, int]) -
         torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
 
 
+def test_delta_without_gradients_equals_the_differentiable_one_and_records_no_graph() -> None:
+    torch.manual_seed(1)
+    routing = LoRARouting(tuple(BATCHED_LAYOUT))
+    y, x = torch.randn(routing.num_tokens, 6), torch.randn(routing.num_tokens, 5)
+    trained = {
+        s: SlotWeights(w.A_RI.requires_grad_(), w.B_OR.requires_grad_(), w.scale)
+        for s, w in random_slots({0: 4, 1: 4, 2: 8, 3: 4}, 5, 6).items()
+    }
+
+    differentiable = add_lora_delta(y, x, routing, trained)
+    with torch.no_grad():
+        plain = add_lora_delta(y, x, routing, trained)
+
+    assert differentiable.grad_fn is not None and plain.grad_fn is None
+    assert torch.equal(plain, differentiable.detach())
+
+
 def test_delta_reaches_only_its_segment_and_keeps_the_base_dtype() -> None:
     slots = random_slots({0: 4}, in_features=6, out_features=5)
     routing = LoRARouting((Segment(None, 0, 2), Segment(0, 2, 3), Segment(None, 3, 4)))

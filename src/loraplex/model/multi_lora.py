@@ -155,7 +155,12 @@ def _add_lora_delta_(
     if not runs:
         return y_TO
     pairs = [t for slot in index_of for t in (slots[slot].A_RI, slots[slot].B_OR)]
-    return _SegmentedLoRA.apply(y_TO, x_TI, tuple(runs), *pairs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (y_TO, x_TI, *pairs)):
+        return _SegmentedLoRA.apply(y_TO, x_TI, tuple(runs), *pairs)
+    # Nothing to differentiate (sampling, forward-only passes): the same math without an autograd node,
+    # whose bookkeeping cost a decode step as much as the small matmuls it wraps.
+    _add_runs_(y_TO, x_TI, runs, pairs)
+    return y_TO
 
 
 def _is_stackable(weights: SlotWeights) -> bool:
@@ -227,6 +232,26 @@ def _scale_G11(run: _Run, like: Tensor) -> Tensor | float:
     return torch.tensor(run.scales, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
+def _add_runs_(y_TO: Tensor, x_TI: Tensor, runs: Sequence[_Run], pairs: Sequence[Tensor]) -> list[Tensor]:
+    """y[s:e] += scale · (x[s:e] Aᵀ) Bᵀ for every run, in place; per run what its backward needs
+    (the scaled (G, L, R) intermediate and the stacked A and B)."""
+    saved = []
+    for run in runs:
+        G, L = len(run.indices), run.length
+        x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
+        A_GRI = _STACKS.stacked([pairs[2 * i] for i in run.indices])
+        B_GOR = _STACKS.stacked([pairs[2 * i + 1] for i in run.indices])
+        # Scale the narrow (G, L, R) intermediate rather than the (G, L, O) result.
+        shrunk_GLR = torch.bmm(x_GLI, A_GRI.transpose(1, 2)).mul_(_scale_G11(run, x_GLI))
+        y_GLO = y_TO[run.start : run.end].view(G, L, -1)
+        if y_TO.dtype == torch.float32:
+            y_GLO.baddbmm_(shrunk_GLR, B_GOR.transpose(1, 2))
+        else:
+            y_GLO += torch.bmm(shrunk_GLR, B_GOR.transpose(1, 2)).to(y_TO.dtype)
+        saved += [shrunk_GLR, A_GRI, B_GOR]
+    return saved
+
+
 class _SegmentedLoRA(torch.autograd.Function):
     """y[s:e] += scale · (x[s:e] Aᵀ) Bᵀ for every routed segment; one autograd node per layer call.
 
@@ -240,20 +265,7 @@ class _SegmentedLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y_TO: Tensor, x_TI: Tensor, runs: tuple[_Run, ...], *pairs: Tensor) -> Tensor:
-        saved = []
-        for run in runs:
-            G, L = len(run.indices), run.length
-            x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
-            A_GRI = _STACKS.stacked([pairs[2 * i] for i in run.indices])
-            B_GOR = _STACKS.stacked([pairs[2 * i + 1] for i in run.indices])
-            # Scale the narrow (G, L, R) intermediate rather than the (G, L, O) result.
-            shrunk_GLR = torch.bmm(x_GLI, A_GRI.transpose(1, 2)).mul_(_scale_G11(run, x_GLI))
-            y_GLO = y_TO[run.start : run.end].view(G, L, -1)
-            if y_TO.dtype == torch.float32:
-                y_GLO.baddbmm_(shrunk_GLR, B_GOR.transpose(1, 2))
-            else:
-                y_GLO += torch.bmm(shrunk_GLR, B_GOR.transpose(1, 2)).to(y_TO.dtype)
-            saved += [shrunk_GLR, A_GRI, B_GOR]
+        saved = _add_runs_(y_TO, x_TI, runs, pairs)
         ctx.mark_dirty(y_TO)
         ctx.runs = runs
         ctx.num_pairs = len(pairs)
