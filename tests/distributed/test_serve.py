@@ -121,7 +121,8 @@ def test_a_dead_rank_stops_the_server_with_a_clear_message_and_runs_resume_after
     log = (tmp_path / f"server-{server.port}.log").read_text()
     assert "engine rank 1 exited with code -9" in log and "restart" in log
 
-    restarted = _server(tmp_path, "data", "--nproc", "2")
+    # On the same port, where the first SDK client's session heartbeats carry on.
+    restarted = Server(server.data_dir, list(server.args), server.port, clients=server.clients)
     try:
         restarted.start()
         service = client(restarted)
@@ -129,6 +130,7 @@ def test_a_dead_rank_stops_the_server_with_a_clear_message_and_runs_resume_after
         np.testing.assert_allclose(_logprobs(resumed), expected, rtol=1e-6)
         # And a killed server takes its ranks with it.
         (worker,) = _children(restarted)
+        restarted.close_clients()
         restarted.kill()
         deadline = time.monotonic() + 10
         while not _is_gone(worker) and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +39,9 @@ class Server:
     args: list[str]
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    # SDK clients of this server (tests/e2e/sdk.py `client`), closed while it still runs: an open
+    # client keeps heartbeating its session and prints a warning once the server has gone.
+    clients: list[Any] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
@@ -74,8 +78,14 @@ class Server:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def close_clients(self) -> None:
+        """Finish every SDK client's session (the server must be running)."""
+        while self.clients:
+            self.clients.pop().close("success").result(timeout=30)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.close_clients()
             self.proc.terminate()
             try:
                 self.proc.wait(15)
@@ -87,10 +97,14 @@ class Server:
 def _servers(root: Path) -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 
-    def start(*args: str) -> Server:
+    def start(*args: str, after: Server | None = None) -> Server:
         data_dir = root / "data"
         data_dir.mkdir(exist_ok=True)
-        servers.append(Server(data_dir, list(args)).start())
+        if after is None:
+            servers.append(Server(data_dir, list(args)).start())
+        else:  # a restart: same port, and the clients of the server it replaces carry on with it
+            servers.append(Server(data_dir, list(args), after.port, clients=after.clients).start())
+            after.clients = []
         return servers[-1]
 
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -103,7 +117,8 @@ def _servers(root: Path) -> Iterator[Callable[..., Server]]:
 
 @pytest.fixture
 def start_server(tmp_path: Path) -> Iterator[Callable[..., Server]]:
-    """start_server(*args) -> a healthy Server on tmp_path/data (the same dir each call: a restart)."""
+    """start_server(*args) -> a healthy Server on tmp_path/data (the same dir each call: a restart);
+    start_server(*args, after=old) restarts on old's port, where old's SDK clients reconnect."""
     with _servers(tmp_path) as start:
         yield start
 

@@ -18,7 +18,10 @@ LR = 2e-3
 
 
 def client(server: Server, key: str = "tml-local") -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    """An SDK client of `server`, closed (its session finished) before the server stops."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+    server.clients.append(service)
+    return service
 
 
 def base_model(server: Server) -> str:

@@ -72,7 +72,7 @@ def test_after_kill_9_runs_checkpoints_and_results_survive_and_training_resumes(
     ]
     server.kill()  # seq 8 waits for the missing seq 7 when the process dies
 
-    restarted = start_server(*database_args)
+    restarted = start_server(*database_args, after=server)
     rest = tinker.RestClient(base_url=restarted.base_url, api_key="tml-local")
     assert [r.training_run_id for r in rest.list_training_runs().result().training_runs] == [run.model_id]
     listed = rest.list_checkpoints(run.model_id).result().checkpoints
