@@ -158,7 +158,7 @@ def _add_lora_delta_(
     if torch.is_grad_enabled() and any(t.requires_grad for t in (y_TO, x_TI, *pairs)):
         return _SegmentedLoRA.apply(y_TO, x_TI, tuple(runs), *pairs)
     # Nothing to differentiate (sampling, forward-only passes): the same math without an autograd node,
-    # whose bookkeeping cost a decode step as much as the small matmuls it wraps.
+    # whose bookkeeping added 10-30% to each layer call of a decode step (8 snapshots x 8 tokens, CPU).
     _add_runs_(y_TO, x_TI, runs, pairs)
     return y_TO
 

@@ -253,7 +253,7 @@ class Store:
         return {run_id: seq for run_id, seq in rows if seq is not None}
 
 
-# The request path's statements, built once (building one costs more than running it on SQLite). Bound
+# The request path's statements, built once (building one cost about as much as running it on SQLite). Bound
 # parameters are named unlike any column: one named like a column would also be SET by an UPDATE.
 _FUTURES, _RUNS = FutureRow.__table__, RunRow.__table__
 _INSERT_FUTURE = insert(_FUTURES)
