@@ -84,8 +84,11 @@ class Server:
             self.clients.pop().close("success").result(timeout=30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
             self.close_clients()
+        finally:  # a client that cannot finish its session must not keep the server running
             self.proc.terminate()
             try:
                 self.proc.wait(15)
