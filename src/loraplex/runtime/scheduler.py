@@ -124,8 +124,8 @@ class Scheduler:
         """
         by_tenant: dict[str, list[tuple[RunState, Entry]]] = {}
         for run, entries in passes:
-            by_tenant.setdefault(run.tenant, []).extend((run, entry) for entry in entries)
-        by_tenant = {tenant: items for tenant, items in by_tenant.items() if items}
+            if entries:
+                by_tenant.setdefault(run.tenant, []).extend((run, entry) for entry in entries)
         if not by_tenant:
             return []
         tenants = sorted(by_tenant)
