@@ -79,7 +79,8 @@ class EngineWorker:
 
         `loraplex serve` runs it on the process's main thread: the same pass measured 25-35% slower
         on a second thread than on the main one (torch 2.13 CPU, libgomp; ~330 vs ~250 ms for 8 x 32
-        tokens on the bench model), with its elementwise and batched-matmul kernels 2-3x slower.
+        tokens on the bench model), with its elementwise and batched-matmul kernels 2-3x slower;
+        bench/second_thread.py reproduces it in plain torch.
         """
         next_lease_check = 0.0
         while True:
