@@ -24,7 +24,7 @@ from loraplex.engine.types import (
     SampleRequest,
     SampleResult,
 )
-from loraplex.errors import CapacityError, NotFoundError, UserError
+from loraplex.errors import CapacityError, NotFoundError, ServerError, UserError
 
 VOCAB = 64
 RL_INPUTS = ("target_tokens", "logprobs", "advantages")
@@ -118,14 +118,23 @@ class FakeEngine(Engine):
                     raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
 
     def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+        missing = sorted({r.slot for r in requests if r.slot is not None and r.slot not in self.slots})
+        if missing:
+            raise ServerError(f"a pass was built for adapter slots {missing}, which are not loaded")
         self.pass_log.append([r.slot for r in requests])
+        saved = {i: {k: g.copy() for k, g in s.grad.items()} for i, s in self.slots.items()}
         out: list[PassResult | UserError] = []
-        for request in requests:
-            try:
-                self.validate_pass_request(request)
-                out.append(self._run_one(request))
-            except UserError as exc:
-                out.append(exc)
+        try:
+            for request in requests:
+                try:
+                    self.validate_pass_request(request)
+                    out.append(self._run_one(request))
+                except UserError as exc:
+                    out.append(exc)
+        except BaseException:  # transactional, as the Engine contract asks
+            for i, grad in saved.items():
+                self.slots[i].grad = grad
+            raise
         return out
 
     def _run_one(self, request: PassRequest) -> PassResult:
@@ -176,35 +185,50 @@ class FakeEngine(Engine):
         return metrics
 
     # --- checkpoints
-    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
+    def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
         s = self.slots[slot]
+        arrays = {"A": s.A, "B": s.B, **s.moments, "steps": np.array(s.steps)}
+        if with_gradients:
+            arrays |= {f"grad_{k}": g for k, g in s.grad.items()}
+        return _write(directory, s, owner_digest, arrays)
+
+    def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
+        config, meta = self._read_meta(checkpoint_dir)
+        if meta["owner"] and meta["owner"] != owner_digest:
+            raise UserError("checkpoint belongs to another tenant")
+        arrays = np.load(checkpoint_dir / "state.npz")
         return _write(
-            directory, s, owner_digest, {"A": s.A, "B": s.B, **s.moments, "steps": np.array(s.steps)}
+            snapshot_dir, _Slot(config, arrays["A"], arrays["B"]), "", {"A": arrays["A"], "B": arrays["B"]}
         )
 
     def save_snapshot(self, slot: int, directory: Path) -> int:
         s = self.slots[slot]
         return _write(directory, s, "", {"A": s.A, "B": s.B})
 
-    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
+    def _read_meta(self, directory: Path) -> tuple[LoraConfig, dict]:
         try:
-            return LoraConfig(**json.loads((directory / "meta.json").read_text())["config"])
+            meta = json.loads((directory / "meta.json").read_text())
+            return LoraConfig(**meta["config"]), meta
         except (OSError, ValueError, KeyError) as exc:
             raise UserError(f"unreadable checkpoint at {directory.name}: {exc}") from exc
 
     def load_state(
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
     ) -> tuple[int, LoraConfig]:
-        config = self.read_checkpoint_config(directory)
-        meta = json.loads((directory / "meta.json").read_text())
+        config, meta = self._read_meta(directory)
         if meta["owner"] and meta["owner"] != owner_digest:
             raise UserError("checkpoint belongs to another tenant")
         arrays = dict(np.load(directory / "state.npz"))
         state = _Slot(config, arrays.pop("A"), arrays.pop("B"))
+        gradients = {k.removeprefix("grad_"): arrays.pop(k) for k in list(arrays) if k.startswith("grad_")}
+        steps = int(arrays.pop("steps", 0))  # a sampler snapshot has none
         if with_optimizer:
-            state.steps = int(arrays.pop("steps"))
+            state.steps = steps
             state.moments = arrays
-        return self._put(state, slot), config
+        slot = self._put(state, slot)
+        if gradients:
+            state.grad = gradients
+        return slot, config
 
     # --- sampling: bigram draws from base (+ a snapshot's A @ B); every request finishes in one step.
     # Stop strings are accepted but never match (the fake has no tokenizer); stop ids do stop.

@@ -24,7 +24,12 @@ class ServerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Compute device; auto = cuda if present."
     )
-    max_slots: int = Field(8, ge=1, description="Adapters (training runs) resident at once.")
+    max_slots: int = Field(
+        8,
+        ge=1,
+        description="Adapters (training runs) resident at once; more runs than this take turns, the others "
+        "parked to disk.",
+    )
     max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
 
     # --- data parallelism (engine ranks; under torchrun the ranks come from its environment instead)
@@ -71,6 +76,18 @@ class ServerConfig(BaseModel):
     )
     pass_gather_max_ms: float = Field(
         100.0, ge=0, description="The longest a ready pass waits for other runs to join it (ms); 0 disables."
+    )
+    slot_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="With more runs than slots, how long a run waits for a slot before a run holding "
+        "gradients not yet stepped is parked (gradients included) to make room for it.",
+    )
+    max_seq_ids_ahead: int = Field(
+        1024,
+        ge=1,
+        description="How far ahead of a run's next expected seq_id a request may be; further ones are "
+        "refused.",
     )
     max_prefill_tokens: int = Field(
         8192,

@@ -9,13 +9,20 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 
 from loraplex.api.codecs import (
-    decode_forward_backward,
     encode_forward_backward_output,
     encode_sample_response,
+    parse_forward_backward,
+    pass_command,
 )
 from loraplex.errors import UserError
-from loraplex.runtime.commands import PassResult
+from loraplex.runtime.commands import Pass, PassResult
 from loraplex.runtime.sampling import SampledSequence, SampleResult
+
+
+def decode_forward_backward(body: bytes) -> tuple[str, int, Pass]:
+    """What the forward_backward route reads from a body: its run, its seq_id, then its command."""
+    msg = parse_forward_backward(body)
+    return msg.model_id, msg.seq_id, pass_command(msg)
 
 
 def _sdk_bytes(datum: types.Datum, loss_fn: str = "ppo", config: dict | None = None) -> bytes:

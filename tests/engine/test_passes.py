@@ -25,7 +25,7 @@ from torch import Tensor
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult
-from loraplex.errors import NotFoundError, UserError
+from loraplex.errors import UserError
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
 from loraplex.model.multi_lora import LoRARouting
@@ -737,8 +737,6 @@ def _corrupt(request: PassRequest, kind: str) -> tuple[PassRequest, tuple[str, .
         names += ("logprobs",)
     elif kind == "unknown_config_key":
         return replace(request, loss_fn_config={"clip_epsilon": 0.2}), ("clip_epsilon",)
-    elif kind == "unknown_slot":
-        return replace(request, slot=len(SLOT_CONFIGS)), (f"slot {len(SLOT_CONFIGS)}",)
     elif kind == "empty_datum_list":
         return replace(request, datums=[]), ("at least one datum",)
     else:
@@ -754,7 +752,6 @@ BAD_KINDS = (
     "nan_advantages",
     "missing_logprobs",
     "unknown_config_key",
-    "unknown_slot",
     "empty_datum_list",
 )
 
@@ -777,7 +774,7 @@ def test_a_bad_request_fails_alone_as_a_user_error_and_changes_no_state(
     results = engine.run_pass([good[0], bad, good[1], good[2]])
 
     error = results[1]
-    assert isinstance(error, NotFoundError if kind == "unknown_slot" else UserError), error
+    assert isinstance(error, UserError), error
     assert all(name in str(error) for name in names), str(error)
     assert_grads_equal(slot_grads(engine, s0), s0_grads)
     assert_grads_equal(slot_weights(engine, s0), s0_weights)

@@ -21,13 +21,42 @@ def test_out_of_order_commands_wait_until_the_gap_is_filled() -> None:
     assert [e.future_id for e in queue.ready()] == ["f1", "f2", "f3"]
 
 
-def test_popped_commands_advance_the_log_and_cannot_be_resubmitted() -> None:
+def test_popped_commands_advance_the_log_cannot_be_claimed_again_and_are_forgotten() -> None:
     queue = RunQueue(next_seq_id=1)
     queue.add(Entry(1, "f1", STEP))
     assert [e.seq_id for e in queue.pop(1)] == [1]
     assert queue.next_seq_id == 2
     with pytest.raises(UserError, match="already executed"):
-        queue.add(Entry(1, "again", STEP))
+        queue.reserve(1, "again")
+    assert queue.future_for(1) is None  # the log keeps no executed ids: the database answers for them
+
+
+def test_seq_ids_beyond_the_window_are_refused_and_nothing_is_held() -> None:
+    queue = RunQueue(next_seq_id=5, window=10)
+    queue.reserve(14, "last-in-window")
+    with pytest.raises(UserError, match=r"seq_id 15 is too far ahead: this run expects seq_id 5 next"):
+        queue.reserve(15, "too-far")
+    assert queue.future_for(14) == "last-in-window" and queue.future_for(15) is None
+
+
+def test_a_reservation_is_found_before_its_entry_arrives_and_can_be_released() -> None:
+    queue = RunQueue(next_seq_id=1)
+    queue.reserve(1, "claimed")
+    assert queue.future_for(1) == "claimed" and not queue.is_idle()
+    queue.release(1)
+    assert queue.future_for(1) is None and queue.is_idle()
+
+
+def test_abandoning_a_gap_drops_what_waits_behind_it_and_moves_past() -> None:
+    queue = RunQueue(next_seq_id=1)
+    queue.add(Entry(3, "f3", STEP))
+    queue.add(Entry(4, "rejected", None))
+    queue.add(Entry(5, "f5", STEP))
+    assert [e.future_id for e in queue.abandon_gap()] == ["f3", "f5"]  # the rejected one failed already
+    assert queue.next_seq_id == 6 and queue.is_idle()
+    queue.add(Entry(6, "f6", STEP))
+    assert queue.abandon_gap() == []  # no gap: nothing is dropped
+    assert [e.future_id for e in queue.ready()] == ["f6"]
 
 
 def test_resubmission_finds_the_first_future() -> None:

@@ -20,7 +20,12 @@ def _run(run_id: str, tenant: str, *commands: object) -> RunState:
     queue = RunQueue(next_seq_id=1)
     for seq, command in enumerate(commands, start=1):
         queue.add(Entry(seq, f"{run_id}-{seq}", command))  # type: ignore[arg-type]
-    return RunState(run_id, tenant, "s", "m", queue)
+    return RunState(run_id, tenant, "s", "m", queue, slot=_slot_of(run_id))
+
+
+def _slot_of(run_id: str) -> int:
+    """Runs of these tests hold a slot (residency has tests of its own below): a distinct one by name."""
+    return sum(ord(c) for c in run_id) % 1000
 
 
 def _send(run: RunState, command: object, at: float) -> None:
@@ -36,8 +41,8 @@ def _ids(work: PassWork | OptimWork) -> list[str]:
 def test_one_pass_packs_all_tenants_then_one_fused_step_covers_every_run_at_optim() -> None:
     a = _run("a", "alice", _pass(4), _pass(4), OptimStep(AdamParams()))
     b = _run("b", "bob", _pass(4), OptimStep(AdamParams()))
-    scheduler = Scheduler(token_budget=100)
-    passes, steps = scheduler.plan([a, b], now=0.0), scheduler.plan([a, b], now=0.0)
+    scheduler = Scheduler(capacity=8, token_budget=100)
+    passes, steps = scheduler.plan([a, b], now=0.0).work, scheduler.plan([a, b], now=0.0).work
     assert [type(w) for w in passes + steps] == [PassWork, OptimWork]
     assert sorted(_ids(passes[0])) == ["a-1", "a-2", "b-1"]  # type: ignore[arg-type]
     assert sorted(_ids(steps[0])) == ["a-3", "b-2"]  # type: ignore[arg-type]
@@ -46,37 +51,37 @@ def test_one_pass_packs_all_tenants_then_one_fused_step_covers_every_run_at_opti
 def test_optim_steps_arriving_during_a_pass_join_one_fused_step() -> None:
     a = _run("a", "alice", _pass(4), OptimStep(AdamParams()))
     b = _run("b", "bob", _pass(4))
-    scheduler = Scheduler(token_budget=100)
-    assert [type(w) for w in scheduler.plan([a, b], now=0.0)] == [PassWork]
+    scheduler = Scheduler(capacity=8, token_budget=100)
+    assert [type(w) for w in scheduler.plan([a, b], now=0.0).work] == [PassWork]
     _send(b, OptimStep(AdamParams()), at=0.01)  # b's step lands while the pass runs
-    (step,) = scheduler.plan([a, b], now=0.02)
+    (step,) = scheduler.plan([a, b], now=0.02).work
     assert sorted(_ids(step)) == ["a-2", "b-2"]  # type: ignore[arg-type]
 
 
 def test_token_budget_interleaves_tenants_round_robin_so_a_big_tenant_cannot_starve_others() -> None:
     big = _run("big", "alice", *[_pass(10) for _ in range(5)])
     small = _run("small", "bob", _pass(10))
-    plan = Scheduler(token_budget=30).plan([big, small], now=0.0)
+    plan = Scheduler(capacity=8, token_budget=30).plan([big, small], now=0.0).work
     assert _ids(plan[0]) == ["big-1", "small-1", "big-2"]  # type: ignore[arg-type]
     assert big.queue.next_seq_id == 3 and small.queue.next_seq_id == 2
 
 
 def test_the_first_tenant_rotates_between_plans() -> None:
-    scheduler = Scheduler(token_budget=10)
-    first = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0)
-    second = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0)
+    scheduler = Scheduler(capacity=8, token_budget=10)
+    first = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0).work
+    second = scheduler.plan([_run("a", "alice", _pass(10)), _run("b", "bob", _pass(10))], now=0.0).work
     assert (_ids(first[0]), _ids(second[0])) == (["a-1"], ["b-1"])  # type: ignore[arg-type]
 
 
 def test_an_oversized_command_still_runs_alone() -> None:
-    plan = Scheduler(token_budget=5).plan([_run("a", "alice", _pass(50))], now=0.0)
+    plan = Scheduler(capacity=8, token_budget=5).plan([_run("a", "alice", _pass(50))], now=0.0).work
     assert _ids(plan[0]) == ["a-1"]  # type: ignore[arg-type]
 
 
 def test_a_barrier_waits_for_the_passes_before_it_and_runs_alone() -> None:
     run = _run("a", "alice", _pass(2), SaveState("s1"), _pass(2))
-    scheduler = Scheduler(token_budget=100)
-    plan = scheduler.plan([run], now=0.0) + scheduler.plan([run], now=0.0)
+    scheduler = Scheduler(capacity=8, token_budget=100)
+    plan = scheduler.plan([run], now=0.0).work + scheduler.plan([run], now=0.0).work
     assert [type(w) for w in plan] == [PassWork, BarrierWork]
     assert _ids(plan[0]) == ["a-1"]  # type: ignore[arg-type]
     assert plan[1].entry.future_id == "a-2"  # type: ignore[union-attr]
@@ -88,22 +93,22 @@ GATHER = Gathering(quiet_s=0.025, max_wait_s=0.1, active_s=10.0)
 
 def _trained_together(*run_ids: str) -> tuple[Scheduler, list[RunState]]:
     """A scheduler that has just run one pass of every named run (so it expects them back)."""
-    scheduler = Scheduler(token_budget=1000, gathering=GATHER)
+    scheduler = Scheduler(capacity=8, token_budget=1000, gathering=GATHER)
     runs = [_run(run_id, "alice", _pass(4)) for run_id in run_ids]
-    assert [type(w) for w in scheduler.plan(runs, now=0.0)] == [PassWork]
+    assert [type(w) for w in scheduler.plan(runs, now=0.0).work] == [PassWork]
     return scheduler, runs
 
 
 def test_a_pass_waits_for_the_runs_that_trained_with_it_and_runs_the_moment_the_last_arrives() -> None:
     scheduler, (a, b, c) = _trained_together("a", "b", "c")
     _send(a, _pass(4), at=1.000)
-    assert scheduler.plan([a, b, c], now=1.001) == []
+    assert scheduler.plan([a, b, c], now=1.001).work == []
     assert scheduler.wake_at == 1.025  # quiet window after the last arrival
     _send(b, _pass(4), at=1.010)
-    assert scheduler.plan([a, b, c], now=1.011) == []
+    assert scheduler.plan([a, b, c], now=1.011).work == []
     assert scheduler.wake_at == 1.035
     _send(c, _pass(4), at=1.020)
-    plan = scheduler.plan([a, b, c], now=1.021)
+    plan = scheduler.plan([a, b, c], now=1.021).work
     assert sorted(_ids(plan[0])) == ["a-2", "b-2", "c-2"]  # type: ignore[arg-type]
     assert scheduler.wake_at is None
 
@@ -111,8 +116,8 @@ def test_a_pass_waits_for_the_runs_that_trained_with_it_and_runs_the_moment_the_
 def test_a_held_pass_runs_once_arrivals_go_quiet() -> None:
     scheduler, (a, b) = _trained_together("a", "b")
     _send(a, _pass(4), at=1.0)
-    assert scheduler.plan([a, b], now=1.02) == []
-    assert _ids(scheduler.plan([a, b], now=1.025)[0]) == ["a-2"]  # type: ignore[arg-type]
+    assert scheduler.plan([a, b], now=1.02).work == []
+    assert _ids(scheduler.plan([a, b], now=1.025).work[0]) == ["a-2"]  # type: ignore[arg-type]
 
 
 def test_gathering_never_holds_a_pass_longer_than_max_wait() -> None:
@@ -121,7 +126,7 @@ def test_gathering_never_holds_a_pass_longer_than_max_wait() -> None:
     for i, run in enumerate(arriving):  # a steady trickle, each within the quiet window of the last
         _send(run, _pass(4), at=1.0 + 0.02 * i)
         now = 1.0 + 0.02 * i + 0.001
-        plan = scheduler.plan(runs, now=now)
+        plan = scheduler.plan(runs, now=now).work
         if now < 1.1:
             assert plan == [] and scheduler.wake_at == min(now - 0.001 + 0.025, 1.1)
         else:
@@ -135,28 +140,28 @@ def test_gathering_never_holds_a_pass_longer_than_max_wait() -> None:
 def test_a_lone_client_and_a_full_budget_never_wait() -> None:
     scheduler, (a,) = _trained_together("a")
     _send(a, _pass(4), at=1.0)
-    assert _ids(scheduler.plan([a], now=1.0)[0]) == ["a-2"]  # type: ignore[arg-type]
+    assert _ids(scheduler.plan([a], now=1.0).work[0]) == ["a-2"]  # type: ignore[arg-type]
     scheduler, (a, b) = _trained_together("a", "b")
     scheduler.token_budget = 8
     _send(a, _pass(4), at=1.0)
     _send(a, _pass(4), at=1.0)
-    assert _ids(scheduler.plan([a, b], now=1.0)[0]) == ["a-2", "a-3"]  # type: ignore[arg-type]
+    assert _ids(scheduler.plan([a, b], now=1.0).work[0]) == ["a-2", "a-3"]  # type: ignore[arg-type]
 
 
 def test_runs_idle_past_active_s_are_not_waited_for_and_other_work_is_not_held() -> None:
     scheduler, (a, b, c) = _trained_together("a", "b", "c")
     _send(a, _pass(4), at=20.0)  # b and c last trained 20 s ago: a runs at once
-    assert _ids(scheduler.plan([a, b, c], now=20.0)[0]) == ["a-2"]  # type: ignore[arg-type]
+    assert _ids(scheduler.plan([a, b, c], now=20.0).work[0]) == ["a-2"]  # type: ignore[arg-type]
     _send(a, _pass(4), at=21.0)  # now b is expected (fresh from its pass below), yet b's optim step runs
     _send(b, OptimStep(AdamParams()), at=21.0)
     scheduler._trained_at["c"] = 21.0
-    plan = scheduler.plan([a, b, c], now=21.001)
+    plan = scheduler.plan([a, b, c], now=21.001).work
     assert [type(w) for w in plan] == [OptimWork] and _ids(plan[0]) == ["b-2"]  # type: ignore[arg-type]
 
 
 def test_a_stream_of_passes_does_not_starve_another_runs_step_or_barrier() -> None:
     busy = _run("busy", "alice", *[_pass(4) for _ in range(3)])
     stepping = _run("stepping", "bob", OptimStep(AdamParams()), SaveState("s1"))
-    scheduler = Scheduler(token_budget=4)  # one pass command per plan
-    kinds = [[type(w).__name__ for w in scheduler.plan([busy, stepping], now=0.0)] for _ in range(4)]
+    scheduler = Scheduler(capacity=8, token_budget=4)  # one pass command per plan
+    kinds = [[type(w).__name__ for w in scheduler.plan([busy, stepping], now=0.0).work] for _ in range(4)]
     assert kinds == [["PassWork"], ["OptimWork", "BarrierWork"], ["PassWork"], ["PassWork"]]

@@ -53,15 +53,21 @@ def decompress(body: bytes, content_encoding: str | None) -> bytes:
     return data
 
 
-def decode_forward_backward(body: bytes) -> tuple[str, int, Pass]:
-    """Parse a ForwardBackwardRequest into (model_id, seq_id, Pass)."""
+def parse_forward_backward(body: bytes) -> Any:
+    """The ForwardBackwardRequest message of a body (UserError if it is not one); its model_id and seq_id
+    are known from here on, so what `pass_command` refuses can be recorded against them."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise UserError(f"body is not a tinker_public.ForwardBackwardRequest protobuf: {exc}") from exc
+    return msg
+
+
+def pass_command(msg: Any) -> Pass:
+    """The Pass a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
-    return msg.model_id, msg.seq_id, Pass(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
+    return Pass(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
 
 
 def _loss_config(msg: Any) -> dict[str, float]:

@@ -160,6 +160,14 @@ class SaveWeightsForSamplerRequest(WireModel):
         return SaveSnapshot(None, sampler_id, self.ttl_seconds, self.user_metadata or {})
 
 
+class SaveWeightsExternalRequest(WireModel):
+    model_id: str
+    seq_id: int
+    path: str
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
 class RetrieveFutureRequest(WireModel):
     request_id: str
 

@@ -5,6 +5,7 @@ A checkpoint directory holds:
                            and per file its size and sha256 (so a truncated or altered file is refused)
     weights.safetensors    the slot's A/B tensors under their PEFT names
     optimizer.safetensors  "exp_avg.<name>" and "exp_avg_sq.<name>" for every weight
+    gradients.safetensors  only in a parked run's state: its gradient accumulators not yet stepped
 Directories are written beside the target and renamed into place (`write_directory_atomically`, also
 used for snapshots); loads verify everything before a live slot is touched. No HTTP, no SQL.
 """
@@ -16,6 +17,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -35,29 +37,49 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 WEIGHTS_FILE = "weights.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
+GRADIENTS_FILE = "gradients.safetensors"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+# A hidden leftover of an interrupted write of directory NAME: its temp copy or the old version set aside.
+# (`.staging-` is what loraplex 0.1's runtime used for the same purpose.)
+_LEFTOVER = re.compile(r"\.(.+)\.(?:tmp|old|staging)-[^.]+")
 
 
-def save_state(pool: SlotPool, slot: int, directory: Path, owner_digest: str, base_model_digest: str) -> int:
-    """Write the slot's checkpoint to `directory` atomically (replacing any old one); return bytes written."""
+def save_state(
+    pool: SlotPool,
+    slot: int,
+    directory: Path,
+    owner_digest: str,
+    base_model_digest: str,
+    with_gradients: bool = False,
+) -> int:
+    """Write the slot's checkpoint to `directory` atomically (replacing any old one); return bytes written.
+
+    with_gradients also writes the gradient accumulators (parking a run between forward_backward and
+    optim_step); `load_state` then restores them exactly.
+    """
     record = pool.get(slot)
-    weights = {name: t.detach().cpu() for name, t in record.weights.items()}
-    state = record.optimizer_state()
-    moments = {
-        f"{moment}.{name}": t.cpu() for moment in _MOMENTS for name, t in getattr(state, moment).items()
+    files = {
+        WEIGHTS_FILE: {name: t.detach().cpu() for name, t in record.weights.items()},
+        OPTIMIZER_FILE: {
+            f"{moment}.{name}": t.cpu()
+            for moment in _MOMENTS
+            for name, t in getattr(record.optimizer_state(), moment).items()
+        },
     }
+    if with_gradients:
+        files[GRADIENTS_FILE] = {name: t.grad.detach().cpu() for name, t in record.weights.items()}
 
     def write(tmp: Path) -> None:
-        safetensors.torch.save_file(weights, tmp / WEIGHTS_FILE)
-        safetensors.torch.save_file(moments, tmp / OPTIMIZER_FILE)
+        for filename, tensors in files.items():
+            safetensors.torch.save_file(tensors, tmp / filename)
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "lora_config": dataclasses.asdict(record.config),
-            "step": state.step,
+            "step": record.adam.step,
             "base_model_digest": base_model_digest,
             "owner_digest": owner_digest,
-            "files": {name: _describe((tmp / name).read_bytes()) for name in (WEIGHTS_FILE, OPTIMIZER_FILE)},
+            "files": {name: _describe((tmp / name).read_bytes()) for name in files},
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
@@ -76,9 +98,34 @@ def load_state(
 
     The manifest, both identities, and the hashes, names and shapes of the files it loads are all checked
     before any slot is touched or created. Without the optimizer (whose file is then not read), AdamW
-    moments and step restart from zero. Either way the slot's gradient accumulators end up zero.
+    moments and step restart from zero. The slot's gradient accumulators end up zero, unless the state
+    holds gradients (a parked run's): then they are those.
     """
     directory = Path(directory)
+    manifest, config, weights = read_weights(pool, directory, owner_digest, base_model_digest)
+    if slot is not None:
+        _check_same_adapter(slot, pool.get(slot).config, config)
+    shapes = pool.expected_shapes(config)
+    optimizer = None
+    if with_optimizer:
+        names = {f"{moment}.{name}": shape for moment in _MOMENTS for name, shape in shapes.items()}
+        moments = _read_tensors(directory, manifest, OPTIMIZER_FILE, names)
+        by_moment = ({name: moments[f"{m}.{name}"] for name in shapes} for m in _MOMENTS)
+        optimizer = OptimizerState(*by_moment, step=manifest["step"])
+    gradients = None
+    if GRADIENTS_FILE in manifest["files"]:
+        gradients = _read_tensors(directory, manifest, GRADIENTS_FILE, shapes)
+    if slot is None:
+        slot = pool.create(config)
+    pool.get(slot).assign(weights, optimizer, gradients)
+    return slot, config
+
+
+def read_weights(
+    pool: SlotPool, directory: Path, owner_digest: str, base_model_digest: str
+) -> tuple[dict[str, Any], LoraConfig, dict[str, Tensor]]:
+    """A checkpoint's manifest, config and adapter weights, once its identities, hashes and shapes check
+    out (UserError / PermissionDeniedError naming what does not)."""
     manifest = _read_manifest(directory)
     if manifest["base_model_digest"] != base_model_digest:
         raise UserError(
@@ -88,25 +135,8 @@ def load_state(
     if manifest["owner_digest"] != owner_digest:
         raise PermissionDeniedError(f"checkpoint {directory.name} belongs to another tenant")
     config = manifest["lora_config"]
-    shapes = pool.expected_shapes(config)
-    if slot is not None:
-        _check_same_adapter(slot, pool.get(slot).config, config)
-    weights = _read_tensors(directory, manifest, WEIGHTS_FILE, shapes)
-    optimizer = None
-    if with_optimizer:
-        names = {f"{moment}.{name}": shape for moment in _MOMENTS for name, shape in shapes.items()}
-        moments = _read_tensors(directory, manifest, OPTIMIZER_FILE, names)
-        by_moment = ({name: moments[f"{m}.{name}"] for name in shapes} for m in _MOMENTS)
-        optimizer = OptimizerState(*by_moment, step=manifest["step"])
-    if slot is None:
-        slot = pool.create(config)
-    pool.get(slot).assign(weights, optimizer)
-    return slot, config
-
-
-def read_checkpoint_config(directory: Path) -> LoraConfig:
-    """The LoraConfig stored in a checkpoint directory (UserError if it is not a readable checkpoint)."""
-    return _read_manifest(Path(directory))["lora_config"]
+    weights = _read_tensors(directory, manifest, WEIGHTS_FILE, pool.expected_shapes(config))
+    return manifest, config, weights
 
 
 def write_directory_atomically(directory: Path, write: Callable[[Path], None]) -> int:
@@ -146,6 +176,19 @@ def _tidy(directory: Path) -> None:
         os.rename(asides.pop(), directory)
     for stale in asides + glob.glob(f"{pattern}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def recover_unfinished_writes(root: Path) -> int:
+    """Deal with what crashed `write_directory_atomically` calls left anywhere under `root`: an aside copy
+    whose replacement never arrived is put back, other leftovers are deleted. Return how many there were."""
+    if not root.is_dir():
+        return 0
+    leftovers = [p for p in root.rglob(".*") if p.is_dir() and _LEFTOVER.fullmatch(p.name)]
+    for target in {p.parent / _LEFTOVER.fullmatch(p.name).group(1) for p in leftovers}:  # type: ignore[union-attr]
+        _tidy(target)
+    for leftover in leftovers:  # what _tidy does not know
+        shutil.rmtree(leftover, ignore_errors=True)
+    return len(leftovers)
 
 
 def _sync_tree(directory: Path) -> int:

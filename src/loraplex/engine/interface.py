@@ -32,10 +32,12 @@ class Engine(ABC):
     """Compute plane: slots, fused passes, fused optimizer steps, checkpoints, snapshots and sampling."""
 
     info: EngineInfo
+    max_slots: int  # adapters held at once: the slots the runtime's scheduler hands out
 
     @abstractmethod
     def validate_pass_request(self, request: PassRequest) -> None:
-        """Raise UserError naming datum index, key and expectation; cheap, numpy only, touches no state."""
+        """Raise UserError naming datum index, key and expectation; cheap, numpy only, reads no slot state
+        (the request's slot is not looked at: slots come and go on the worker thread)."""
 
     @abstractmethod
     def create_slot(self, config: LoraConfig) -> int:
@@ -50,16 +52,20 @@ class Engine(ABC):
         """Run all requests in one packed pass; per request a result, or the UserError that rejected it.
 
         Semantics: equal to running each request alone, in order. Training requests add into their
-        slot's gradient accumulators; a rejected request changes no state.
+        slot's gradient accumulators; a rejected request changes no state. Transactional: if the pass
+        raises, no slot changed. A request whose slot is not live is a caller bug: ServerError, no pass.
         """
 
     @abstractmethod
     def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
-        """One fused AdamW step of the given slots; per slot metrics (grad_norm, learning_rate, ...)."""
+        """One fused AdamW step of the given slots; per slot metrics (grad_norm, learning_rate, ...).
+        Transactional: if it raises, no slot's weights, moments, gradients or step count changed."""
 
     @abstractmethod
-    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
-        """Write weights + AdamW state + config + base identity + owner atomically; return bytes written."""
+    def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
+        """Write weights + AdamW state + config + base identity + owner atomically; return bytes written.
+        with_gradients also keeps the unstepped gradient accumulators (a parked run), which load_state
+        then restores."""
 
     @abstractmethod
     def load_state(
@@ -68,8 +74,8 @@ class Engine(ABC):
         """Load a checkpoint into `slot` (None = a new slot); verify everything before touching it."""
 
     @abstractmethod
-    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
-        """The LoraConfig stored in a checkpoint or snapshot directory (UserError if unreadable)."""
+    def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
+        """Write a training checkpoint's weights as a PEFT snapshot, without a slot; return bytes written."""
 
     @abstractmethod
     def save_snapshot(self, slot: int, directory: Path) -> int:

@@ -6,10 +6,13 @@ Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
@@ -18,8 +21,9 @@ from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.passes import run_pass
 from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.slots import SlotPool
+from loraplex.engine.transactions import SlotSnapshot
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
-from loraplex.errors import NotFoundError, UserError
+from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
 from loraplex.model.tiny import ensure_tiny_model
@@ -48,6 +52,8 @@ class LocalEngine(Engine):
         self.decoder = decoder
         self.info = info
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
+        self.max_slots = max_slots
+        self._undo: SlotSnapshot | None = None  # the last keep_undo pass or step (distributed ranks)
         self.logprob_chunk = logprob_chunk
         self.sampler = Sampler(
             decoder,
@@ -59,12 +65,10 @@ class LocalEngine(Engine):
         )
 
     def validate_pass_request(self, request: PassRequest) -> None:
-        """Raise UserError naming datum index, key and expectation; touches no state."""
+        """Raise UserError naming datum index, key and expectation; reads no slot state."""
         self._validate(request)
 
     def _validate(self, request: PassRequest) -> dict[str, float]:
-        if request.slot is not None and not self.pool.has_slot(request.slot):
-            raise NotFoundError(f"adapter slot {request.slot} is not loaded")
         if not request.datums:
             raise UserError("a forward/forward_backward request needs at least one datum")
         for index, datum in enumerate(request.datums):
@@ -79,17 +83,65 @@ class LocalEngine(Engine):
         """Drop the slot's weights, accumulators and AdamW state."""
         self.pool.free(slot)
 
-    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
-        """All requests in one packed pass (see `passes.run_pass`)."""
-        return run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+    def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
+        """All requests in one packed pass (see `passes.run_pass`); if it raises, every slot's gradients are
+        as before. keep_undo: keep the copies so `undo_last` can take a successful pass back (a data
+        parallel rank whose peer failed its share)."""
+        self.require_live_slots(requests)
+        trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
+        adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
+        with self._transaction(SlotSnapshot(adams, with_state=False), keep_undo):
+            results = run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+        for adam in adams:
+            adam.has_gradients = True
+        return results
 
-    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
-        """One fused AdamW step over the given slots."""
-        return self.pool.step(steps)
+    def optim_step(
+        self,
+        steps: dict[int, AdamParams],
+        keep_undo: bool = False,
+        reduce_gradients: Callable[[list[Tensor]], None] | None = None,
+    ) -> dict[int, dict[str, float]]:
+        """One fused AdamW step over the given slots; if it raises, no slot changed. reduce_gradients (a
+        data-parallel all-reduce) runs on the stepped slots' flat accumulators first, inside the same
+        transaction; keep_undo as for `run_pass`."""
+        adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError before anything changes
+        with self._transaction(SlotSnapshot(adams, with_state=True), keep_undo):
+            if reduce_gradients is not None:
+                reduce_gradients([adam.grads_N for adam in adams])
+                for adam in adams:
+                    adam.has_gradients = True
+            return self.pool.step(steps)
 
-    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
-        """Atomic checkpoint of weights, AdamW state, config, base identity and owner."""
-        return checkpoints.save_state(self.pool, slot, directory, owner_digest, self.info.base_model_digest)
+    def require_live_slots(self, requests: list[PassRequest]) -> None:
+        """ServerError if a request names a slot that is not loaded: the runtime built it without its run's
+        slot, which must fail loudly rather than run on the base model."""
+        missing = sorted({r.slot for r in requests if r.slot is not None and not self.pool.has_slot(r.slot)})
+        if missing:
+            raise ServerError(f"a pass was built for adapter slots {missing}, which are not loaded")
+
+    def undo_last(self) -> None:
+        """Take back the last pass or step run with keep_undo (no-op if it failed or none was kept)."""
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo.restore()
+
+    @contextmanager
+    def _transaction(self, snapshot: SlotSnapshot, keep_undo: bool) -> Iterator[None]:
+        self._undo = None
+        try:
+            yield
+        except BaseException:
+            snapshot.restore()
+            raise
+        if keep_undo:
+            self._undo = snapshot
+
+    def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
+        """Atomic checkpoint of weights, AdamW state, config, base identity and owner (and gradients)."""
+        return checkpoints.save_state(
+            self.pool, slot, directory, owner_digest, self.info.base_model_digest, with_gradients
+        )
 
     def load_state(
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
@@ -99,11 +151,12 @@ class LocalEngine(Engine):
             self.pool, directory, owner_digest, self.info.base_model_digest, with_optimizer, slot
         )
 
-    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
-        """The LoraConfig of a training checkpoint or a sampler snapshot directory."""
-        if (Path(directory) / checkpoints.MANIFEST_FILE).exists():
-            return checkpoints.read_checkpoint_config(directory)
-        return snapshots.read_snapshot_config(directory, self.pool.targets)
+    def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
+        """A training checkpoint's weights as a PEFT snapshot, verified as a load verifies them; no slot."""
+        _, config, weights = checkpoints.read_weights(
+            self.pool, Path(checkpoint_dir), owner_digest, self.info.base_model_digest
+        )
+        return snapshots.write_snapshot(weights, config, snapshot_dir, self.info.model_name)
 
     def save_snapshot(self, slot: int, directory: Path) -> int:
         """Immutable PEFT-format copy of the slot's weights."""

@@ -51,6 +51,7 @@ class AdamSlot:
     exp_avg_N: Tensor  # first moments, laid out like weights_N
     exp_avg_sq_N: Tensor  # second moments, laid out like weights_N
     step: int = 0  # AdamW steps taken; drives the bias corrections
+    has_gradients: bool = False  # a pass added into grads_N since it was last zeroed (transactions.py)
 
     @classmethod
     def fresh(cls, initial: Sequence[Tensor], device: torch.device | str | None = None) -> AdamSlot:
@@ -131,6 +132,7 @@ def step_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[dict[str, f
             found_inf=found_inf,
         )
         slot.grads_N.zero_()
+        slot.has_gradients = False
         norms.append(norm)
 
     metrics: list[dict[str, float]] = []
@@ -168,4 +170,5 @@ def step_slots_reference(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[d
             adamw.step()
             slot.step += 1
         slot.grads_N.zero_()
+        slot.has_gradients = False
     return metrics

@@ -65,12 +65,22 @@ class Slot:
         )
 
     @torch.no_grad()
-    def assign(self, weights: Mapping[str, Tensor], optimizer: OptimizerState | None) -> None:
+    def assign(
+        self,
+        weights: Mapping[str, Tensor],
+        optimizer: OptimizerState | None,
+        gradients: Mapping[str, Tensor] | None = None,
+    ) -> None:
         """Overwrite in place from checked tensors of the same names and shapes; optimizer None resets
-        AdamW (zero moments, step 0). Gradient accumulators are zeroed."""
+        AdamW (zero moments, step 0); gradients None zeroes the accumulators (a parked run brings its
+        unstepped gradients back)."""
         for name, param in self.weights.items():
             param.copy_(weights[name])
         self.adam.grads_N.zero_()
+        if gradients is not None:
+            for name, param in self.weights.items():
+                param.grad.copy_(gradients[name])
+        self.adam.has_gradients = gradients is not None
         if optimizer is None:
             torch._foreach_zero_([self.adam.exp_avg_N, self.adam.exp_avg_sq_N])
             self.adam.step = 0

@@ -10,6 +10,7 @@ changes a snapshot. No HTTP, no SQL.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,9 @@ import safetensors.torch
 from torch import Tensor
 
 from loraplex.engine.checkpoints import write_directory_atomically
-from loraplex.engine.slots import TARGET_GROUPS, SlotPool, lora_names
+from loraplex.engine.slots import SlotPool, lora_names
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
-from loraplex.model.multi_lora import MultiLoRALinear
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -49,14 +49,22 @@ class Snapshot:
 def save_snapshot(pool: SlotPool, slot: int, directory: Path, base_model_name: str) -> int:
     """Write a PEFT-format copy of the slot's weights to `directory` atomically; return bytes written."""
     record = pool.get(slot)
-    tensors = {PEFT_PREFIX + name: t.detach().cpu() for name, t in record.weights.items()}
-    paths = [name.rsplit(".lora_", 1)[0] for name in record.weights]
+    return write_snapshot(record.weights, record.config, directory, base_model_name)
+
+
+def write_snapshot(
+    weights: Mapping[str, Tensor], config: LoraConfig, directory: Path, base_model_name: str
+) -> int:
+    """Write adapter weights (by PEFT name, as slots and checkpoints hold them) as a PEFT snapshot to
+    `directory` atomically; return bytes written."""
+    tensors = {PEFT_PREFIX + name: t.detach().cpu() for name, t in weights.items()}
+    paths = [name.rsplit(".lora_", 1)[0] for name in weights]
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name,
-        "r": record.config.rank,
-        "lora_alpha": record.config.alpha,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
         "target_modules": sorted({path.rsplit(".", 1)[-1] for path in paths}),
         "bias": "none",
         "fan_in_fan_out": False,
@@ -106,18 +114,6 @@ def load_snapshot(directory: Path) -> Snapshot:
         base_model_name=config.get("base_model_name_or_path") or "",
         pairs=pairs,
     )
-
-
-def read_snapshot_config(directory: Path, targets: dict[str, tuple[MultiLoRALinear, str]]) -> LoraConfig:
-    """The LoraConfig a snapshot describes (its seed is not stored: 0); `targets` maps leaves to groups."""
-    config = _read_adapter_config(Path(directory))
-    group_of = {path.rsplit(".", 1)[-1]: group for path, (_, group) in targets.items()}
-    unknown = sorted(set(config["target_modules"]) - set(group_of))
-    if unknown:
-        raise UserError(f"snapshot {Path(directory).name} targets modules this model lacks: {unknown}")
-    groups = {group_of[leaf] for leaf in config["target_modules"]}
-    flags = {flag: group in groups for flag, group in TARGET_GROUPS.items()}
-    return LoraConfig(rank=config["r"], alpha=float(config["lora_alpha"]), **flags)
 
 
 def _read_adapter_config(directory: Path) -> dict[str, Any]:

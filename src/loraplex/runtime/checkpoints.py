@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.engine.checkpoints import recover_unfinished_writes
 from loraplex.errors import UserError
 
 # tinker path segment -> Tinker checkpoint_type; external_weights exports are not served yet.
@@ -89,3 +90,10 @@ class DiskLayout:
     def parked_dir(self, run_id: str) -> Path:
         """Where a run's live state goes when its lease expires, to be loaded back on its next request."""
         return self.data_dir / "parked" / run_id
+
+    def remove_staging(self) -> int:
+        """Finish or undo the directory writes a crash interrupted (see `recover_unfinished_writes`) under
+        every area of the data dir; return how many leftovers were dealt with. Run at start-up."""
+        return sum(
+            recover_unfinished_writes(self.data_dir / area) for area in ("checkpoints", "snapshots", "parked")
+        )

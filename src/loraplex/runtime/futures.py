@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from loraplex.errors import NotFoundError, UserError
+from loraplex.errors import NotFoundError, ServerError, UserError
 from loraplex.runtime.store import FutureOutcome, Store, utcnow
 from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
@@ -23,6 +24,8 @@ from loraplex.runtime.store.schema import FutureRow
 log = logging.getLogger(__name__)
 
 PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
+# Pauses between attempts to record outcomes when the database refuses (then they fail in memory).
+_WRITE_RETRY_PAUSES_S = (0.05, 0.2, 1.0)
 
 
 @dataclass
@@ -65,20 +68,38 @@ class FutureTable:
         self, tenant: str, request_type: str, run_id: str | None = None, seq_id: int | None = None
     ) -> FutureRecord:
         """A new pending future, persisted."""
+        record = self.new(tenant, request_type)
+        try:
+            self.persist(record, run_id, seq_id)
+        except BaseException:
+            self.drop(record.id)
+            raise
+        return record
+
+    def new(self, tenant: str, request_type: str) -> FutureRecord:
+        """A new pending future in memory only (cheap: callers holding a lock persist it after releasing)."""
         record = FutureRecord(id=f"req-{uuid.uuid4().hex}", tenant=tenant, request_type=request_type)
+        with self._lock:
+            self._pending[record.id] = record
+        return record
+
+    def persist(self, record: FutureRecord, run_id: str | None = None, seq_id: int | None = None) -> None:
+        """Write a `new` future's row (and stamp its run's last request time)."""
         row = FutureRow(
             id=record.id,
-            tenant=tenant,
-            request_type=request_type,
+            tenant=record.tenant,
+            request_type=record.request_type,
             run_id=run_id,
             seq_id=seq_id,
             status=PENDING,
             created_at=utcnow(),
         )
         self._store.add_future(row)
+
+    def drop(self, future_id: str) -> None:
+        """Forget a `new` future whose row could not be written (nobody was given its id)."""
         with self._lock:
-            self._pending[record.id] = record
-        return record
+            self._pending.pop(future_id, None)
 
     def complete(self, future_id: str, result: Result) -> None:
         """Resolve a future with its result."""
@@ -97,15 +118,35 @@ class FutureTable:
 
     def finish(self, outcomes: Mapping[str, Result | BaseException]) -> None:
         """Resolve futures, each with its result or its error, in one database transaction (a fused pass
-        answers many requests at once: one commit, not one per request), then wake their waiters."""
+        answers many requests at once: one commit, not one per request), then wake their waiters.
+
+        The write is retried with backoff; if the database still refuses, the futures fail in memory with a
+        server error saying so (their rows stay pending and read as failed after a restart), and the caller
+        goes on: a database fault must not end the worker.
+        """
         rows = [_outcome_row(future_id, outcome) for future_id, outcome in outcomes.items()]
-        self._store.finish_futures(rows)
+        results = [None if isinstance(o, BaseException) else o for o in outcomes.values()]
+        for attempt, pause_s in enumerate((*_WRITE_RETRY_PAUSES_S, None)):
+            try:
+                self._store.finish_futures(rows)
+                break
+            except Exception as exc:
+                if pause_s is None:
+                    log.exception("could not record %d request outcomes; failing them in memory", len(rows))
+                    unrecorded = ServerError(f"the server could not record this request's outcome ({exc})")
+                    rows = [_outcome_row(row.id, unrecorded) for row in rows]
+                    results = [None] * len(rows)
+                    break
+                log.warning("recording %d outcomes failed (attempt %d): %s", len(rows), attempt + 1, exc)
+                time.sleep(pause_s)
         waiters = []
         with self._lock:
-            for row, outcome in zip(rows, outcomes.values(), strict=True):
-                record = self._pending.pop(row.id)
+            for row, result in zip(rows, results, strict=True):
+                record = self._pending.pop(row.id, None)
+                if record is None:  # finished already (e.g. a restart raced a late result)
+                    continue
                 record.status, record.error, record.category = row.status, row.error, row.category
-                record.result = None if isinstance(outcome, BaseException) else outcome
+                record.result = result
                 self._done[row.id] = record
                 waiters += record._waiters
                 record._waiters = []
@@ -116,17 +157,14 @@ class FutureTable:
 
     def get(self, future_id: str, tenant: str) -> FutureRecord:
         """A future of `tenant` (NotFoundError for unknown ids and other tenants' futures alike)."""
-        with self._lock:
-            record = self._pending.get(future_id) or self._done.get(future_id)
-        if record is None:
-            record = self._load(future_id)
-        if record is None or record.tenant != tenant:
-            raise NotFoundError(f"future {future_id!r} not found")
-        return record
+        record = self._in_memory(future_id) or self._load(future_id)
+        return _owned(record, future_id, tenant)
 
     async def wait(self, future_id: str, tenant: str, timeout_s: float) -> FutureRecord:
-        """The future once done, or still pending after `timeout_s` (the long-poll)."""
-        record = self.get(future_id, tenant)
+        """The future once done, or still pending after `timeout_s` (the long-poll). A future no longer in
+        memory is read from the database on a worker thread, never on the event loop."""
+        record = self._in_memory(future_id) or await asyncio.to_thread(self._load, future_id)
+        record = _owned(record, future_id, tenant)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         with self._lock:
@@ -141,6 +179,10 @@ class FutureTable:
                     record._waiters.remove((loop, waiter))
         return record
 
+    def _in_memory(self, future_id: str) -> FutureRecord | None:
+        with self._lock:
+            return self._pending.get(future_id) or self._done.get(future_id)
+
     def _load(self, future_id: str) -> FutureRecord | None:
         row = self._store.get_future(future_id)
         if row is None:
@@ -154,6 +196,12 @@ class FutureTable:
             error=row.error,
             category=row.category,
         )
+
+
+def _owned(record: FutureRecord | None, future_id: str, tenant: str) -> FutureRecord:
+    if record is None or record.tenant != tenant:
+        raise NotFoundError(f"future {future_id!r} not found")
+    return record
 
 
 def _outcome_row(future_id: str, outcome: Result | BaseException) -> FutureOutcome:

@@ -63,18 +63,23 @@ class SampleQueue:
         self._waiting: deque[SampleJob] = deque()
         self._active: dict[str, SampleJob] = {}
 
-    def check_room(self, num_samples: int) -> None:
-        """Refuse a request that would push the queue past its limit (one always fits an empty queue)."""
+    def reserve_room(self, num_samples: int) -> None:
+        """Count a request's samples against the limit before it is added; refuse it (429, the SDK resends)
+        if it would push the queue past the limit (one request always fits an empty queue)."""
         if self.queued_samples and self.queued_samples + num_samples > self.max_queued_samples:
             raise SamplingBackpressureError(
                 f"{self.queued_samples} samples are queued; this server queues at most "
                 f"{self.max_queued_samples} (try again shortly)"
             )
+        self.queued_samples += num_samples
+
+    def release_room(self, num_samples: int) -> None:
+        """Give back a reservation whose request was never added."""
+        self.queued_samples -= num_samples
 
     def add(self, job: SampleJob) -> None:
-        """Queue an accepted request for the worker."""
+        """Queue an accepted request, whose room was reserved, for the worker."""
         self._waiting.append(job)
-        self.queued_samples += job.num_samples
 
     def take_waiting(self) -> list[SampleJob]:
         """Hand every waiting request to the worker; they count as active until finished."""

@@ -1,9 +1,23 @@
-"""Scheduler: decides what the engine does next, from the ready commands of every run.
+"""Scheduler: decides what the engine does next, from the ready commands of every run, and which runs hold
+the engine's adapter slots while it does.
 
-One plan = one packed pass (leading batchable commands of all runs, round-robin between tenants up
-to a token budget), or else one fused optimizer step (every run whose head is optim_step) and then
-the barriers one by one; after a pass, the steps and barriers go first. Executing a plan's work items
-in order respects every run's seq_id order. Pure planning: no threads, no engine calls, no tensors.
+One plan = residency moves (runs parked to disk, runs given a slot), then one packed pass (leading
+batchable commands of the resident runs, round-robin between tenants up to a token budget), or else one
+fused optimizer step (every resident run whose head is optim_step) and then the barriers one by one;
+after a pass, the steps and barriers go first. Executing a plan in order respects every run's seq_id
+order. Planning pops the commands it hands out; it never calls the engine and holds no tensors.
+
+Residency, planned here so that packing and parking cannot undo each other:
+- Work is planned only for runs resident when the plan is made; a run parked by this plan is in none of
+  its work, and a run given a slot by this plan works from the next plan on. So no request is ever built
+  without its run's slot.
+- A run holding gradients not yet stepped is pinned: it is not parked to make room, so a forward_backward
+  and its optim_step see the same accumulators.
+- Runs without a slot that have work wait in one queue, oldest first. When there are more of them than free
+  slots, unpinned resident runs are parked for them: idle ones first, then the least recently active. A
+  waiter that has waited `slot_wait_s` may take a pinned run's slot; that run is parked with its
+  gradients, which come back exactly (a client holding gradients on one run while it waits on another
+  must not deadlock).
 
 Gathering: clients submit their runs' forward_backwards one HTTP request after another, a few
 milliseconds apart. Running the first one the moment it lands would split one step of K runs into a
@@ -19,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loraplex.runtime.commands import OptimStep, Pass, is_batchable
-from loraplex.runtime.run_queue import Entry, RunState
+from loraplex.runtime.run_queue import LOST, Entry, RunState
 
 
 @dataclass
@@ -45,6 +59,20 @@ class BarrierWork:
 
 
 Work = PassWork | OptimWork | BarrierWork
+
+
+@dataclass
+class Plan:
+    """What the worker does next, in this order: park, give slots, then the work."""
+
+    parks: list[RunState] = field(default_factory=list)  # resident runs to save to disk, freeing their slot
+    admits: list[RunState] = field(default_factory=list)  # runs to give a slot: create, or bring back
+    work: list[Work] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.parks or self.admits or self.work)
+
+
 # Each run with its leading ready commands that can join a pass (computed once per plan).
 Passes = list[tuple[RunState, list[Entry]]]
 
@@ -60,20 +88,56 @@ class Gathering:
 
 @dataclass
 class Scheduler:
-    """Plans work; remembers which tenant goes first next time so none starves, and which runs train."""
+    """Plans work and residency; remembers which tenant goes first next time so none starves, and which
+    runs train."""
 
     token_budget: int
+    capacity: int  # adapter slots the engine holds (--max-slots)
     gathering: Gathering = field(default_factory=Gathering)
-    wake_at: float | None = None  # set by plan(): when a held pass must be looked at again
+    slot_wait_s: float = 2.0  # how long a run waits for a slot before a pinned run is parked for it
+    wake_at: float | None = None  # set by plan(): when a held pass or a waiting run must be looked at again
     _rotation: int = 0
     _trained_at: dict[str, float] = field(default_factory=dict)  # run id -> time of its last pass
     _passed_last: bool = False  # the previous plan was a pass
 
-    def plan(self, runs: Iterable[RunState], now: float) -> list[Work]:
+    def plan(self, runs: Iterable[RunState], now: float) -> Plan:
         """Pop the next work items from the runs' queues (call under the service lock); `now` is
         time.monotonic(), the clock of Entry.arrived_at."""
         runs = list(runs)
         self.wake_at = None
+        parks, admits = self._residency(runs, now)
+        resident = [run for run in runs if run.slot is not None and all(run is not p for p in parks)]
+        work = self._work(resident, now)
+        for item in work:
+            for run, _ in work_items(item):
+                run.last_active = now
+        return Plan(parks, admits, work)
+
+    def _residency(self, runs: list[RunState], now: float) -> tuple[list[RunState], list[RunState]]:
+        """Which resident runs to park and which waiting runs get a slot (see the module docstring)."""
+        resident = [run for run in runs if run.slot is not None]
+        waiting = [run for run in runs if run.slot is None and run.status != LOST and run.queue.ready()]
+        for run in waiting:
+            if run.waiting_since is None:
+                run.waiting_since = run.queue.ready()[0].arrived_at
+        waiting.sort(key=lambda run: run.waiting_since or 0.0)
+        free = self.capacity - len(resident)
+        if len(waiting) <= free:
+            return [], waiting
+        parks = sorted((r for r in resident if not r.pending_gradients), key=_park_order)
+        parks = parks[: len(waiting) - free]
+        short = len(waiting) - free - len(parks)
+        if short:
+            oldest = waiting[free + len(parks)].waiting_since or now
+            if now - oldest >= self.slot_wait_s:
+                pinned = sorted((r for r in resident if r.pending_gradients), key=_park_order)
+                parks += pinned[:short]
+            else:
+                self.wake_at = oldest + self.slot_wait_s
+        return parks, waiting[: free + len(parks)]
+
+    def _work(self, runs: list[RunState], now: float) -> list[Work]:
+        """The next pass, or else the fused step and the barriers, over resident runs."""
         # After a pass, steps and barriers go first, so a stream of passes cannot starve them.
         steps_first, self._passed_last = self._passed_last, False
         if steps_first and (steps := self._take_steps(runs)):
@@ -113,7 +177,7 @@ class Scheduler:
         deadline = min(max(arrivals) + self.gathering.quiet_s, min(arrivals) + self.gathering.max_wait_s)
         if now >= deadline:
             return False
-        self.wake_at = deadline
+        self.wake_at = deadline if self.wake_at is None else min(self.wake_at, deadline)
         return True
 
     def _take_passes(self, passes: Passes) -> list[tuple[RunState, Entry]]:
@@ -149,6 +213,16 @@ class Scheduler:
         for run in {id(r): r for r, _ in taken}.values():
             run.queue.pop(sum(1 for r, _ in taken if r is run))
         return taken
+
+
+def _park_order(run: RunState) -> tuple[bool, float]:
+    """Which resident run gives up its slot first: idle before busy, then the least recently active."""
+    return bool(run.queue.ready()), run.last_active
+
+
+def work_items(work: Work) -> list[tuple[RunState, Entry]]:
+    """The (run, entry) pairs of a work item."""
+    return [(work.run, work.entry)] if isinstance(work, BarrierWork) else work.items
 
 
 def _leading_passes(run: RunState) -> list[Entry]:

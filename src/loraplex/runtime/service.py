@@ -2,9 +2,12 @@
 with a future; the engine worker does the rest.
 
 Every method is cheap and never touches the engine's state (only the engine's `validate_*_request`
-checks, which are pure). A training request that fails validation still consumes its seq_id, as a
-failed future, so the run's later requests are not held forever; a sampling request has no order to
-keep, so it is refused at once (4xx with a body). No tensors, no HTTP.
+checks, which are pure and read no slot). Every seq_id a training request names is accounted for: a
+request refused for any reason once its run and seq_id are known (its body, its decoding, an unknown
+loss, a feature this server lacks) is recorded as that seq_id's failed future, so the run's later
+requests are never held behind it (`reject`). A sampling request has no order to keep, so it is refused
+at once (4xx with a body). Database writes happen outside the service lock, which the engine worker
+takes to plan, so a slow database never stalls the engine. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from loraplex.runtime.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.execution import Executor, lost_run_error
 from loraplex.runtime.futures import FutureRecord, FutureTable
 from loraplex.runtime.keys import TenantResolver
 from loraplex.runtime.run_queue import LOST, PARKED, Entry, RunQueue, RunState
@@ -37,7 +41,7 @@ from loraplex.runtime.scheduler import Gathering, Scheduler
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
 from loraplex.runtime.store.schema import SamplerRow
-from loraplex.runtime.worker import EngineWorker, lost_run_error
+from loraplex.runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -55,20 +59,26 @@ class TrainingService:
         self.catalog = Catalog(store, self.layout)
         self.tenants = TenantResolver(store, config.auth)
         self._cond = threading.Condition()
-        self._runs: dict[str, RunState] = {}
+        self._runs: dict[str, RunState] = {}  # every run this server knows
+        self._active: dict[str, RunState] = {}  # the runs the scheduler looks at: resident or with commands
+        self._sampler_seqs: dict[tuple[str, int], str] = {}  # (sampler, seq_id) -> future, while written
         self.samples = SampleQueue(config.max_queued_samples)
         self._recover()
+        scheduler = Scheduler(
+            config.pass_token_budget,
+            engine.max_slots,
+            Gathering(config.pass_gather_quiet_ms / 1000, config.pass_gather_max_ms / 1000),
+            config.slot_wait_s,
+        )
+        executor = Executor(engine, store, self.futures, self.layout, self._runs, self._cond)
         self.worker = EngineWorker(
             engine,
-            store,
+            executor,
             self.futures,
             self.sessions,
             self.layout,
-            Scheduler(
-                config.pass_token_budget,
-                Gathering(config.pass_gather_quiet_ms / 1000, config.pass_gather_max_ms / 1000),
-            ),
-            self._runs,
+            scheduler,
+            self._active,
             self.samples,
             config.max_prefill_tokens,
             self._cond,
@@ -110,28 +120,39 @@ class TrainingService:
             tenant,
             session_id,
             self._base_model_of(command),
-            RunQueue(0),
+            RunQueue(0, self.config.max_seq_ids_ahead),
             user_metadata=getattr(command, "user_metadata", {}),
         )
-        with self._cond:
-            self._runs.setdefault(run_id, run)
-        return self._enqueue(run, 0, command, None)
+        with self._cond:  # the run and its seq 0 are claimed together, so a racing copy finds both
+            winner = self._runs.setdefault(run_id, run)
+            if winner is run:
+                record = self.futures.new(tenant, command.request_type)
+                run.queue.reserve(0, record.id)
+        if winner is not run:  # a copy of this request got there first: answer with its future
+            return self._resubmitted(winner, tenant, 0)
+        return self._persist_and_queue(run, 0, record, command, None)
 
     def submit(self, tenant: str, run_id: str, seq_id: int, command: Command) -> FutureRecord:
         """Submit a command of an existing run; a resent (run, seq_id) returns its first future."""
         run = self._owned_run(tenant, run_id)
-        if seq_id < 1:
-            raise UserError(f"seq_id must be >= 1 (got {seq_id})")
-        with self._cond:
-            if run.queue.future_for(seq_id) is not None:
-                return self._resubmitted(run, tenant, seq_id)
+        _check_seq_id(seq_id)
         self.sessions.touch(run.session_id)
         try:
             self._check_command(run, command)
             rejection = lost_run_error(run_id) if run.status == LOST else None
         except UserError as exc:
             rejection = exc
-        return self._enqueue(run, seq_id, command, rejection)
+        return self._enqueue(run, seq_id, command.request_type, command, rejection)
+
+    def reject(
+        self, tenant: str, run_id: str, seq_id: int, request_type: str, error: UserError
+    ) -> FutureRecord:
+        """Record a request of `run_id` refused before it became a command (bad body, undecodable, not
+        supported here) as its seq_id's failed future, so the run's later requests go on."""
+        run = self._owned_run(tenant, run_id)
+        _check_seq_id(seq_id)
+        self.sessions.touch(run.session_id)
+        return self._enqueue(run, seq_id, request_type, None, error)
 
     def run_state(self, tenant: str, run_id: str) -> RunState:
         """A created run of `tenant` (for get_info)."""
@@ -180,28 +201,76 @@ class TrainingService:
         """
         sampler = self.catalog.sampler(tenant, sampler_id)
         job_request = replace(request, snapshot=sampler.snapshot)
-        with self._cond:  # held throughout, so two copies of one request cannot both be queued
-            if (first := self.store.future_id_for(sampler_id, seq_id)) is not None:
+        key = (sampler_id, seq_id)
+        if (first := self.store.future_id_for(sampler_id, seq_id)) is not None:
+            return self.futures.get(first, tenant)
+        # A pending export has no snapshot on disk yet; everything else about the request is checked now.
+        self.engine.validate_sample_request(job_request if sampler.export_from is None else request)
+        with self._cond:  # a copy of this request being written right now answers with the same future
+            if (first := self._sampler_seqs.get(key)) is not None:
                 return self.futures.get(first, tenant)
-            # A pending export has no snapshot on disk yet; everything else about the request is checked now.
-            self.engine.validate_sample_request(job_request if sampler.export_from is None else request)
-            self.samples.check_room(request.num_samples)
-            record = self.futures.create(tenant, "Sample", sampler_id, seq_id)
+            self.samples.reserve_room(request.num_samples)
+            record = self.futures.new(tenant, "Sample")
+            self._sampler_seqs[key] = record.id
+        try:
+            self.futures.persist(record, sampler_id, seq_id)
+        except BaseException:
+            with self._cond:
+                self.samples.release_room(request.num_samples)
+                del self._sampler_seqs[key]
+            self.futures.drop(record.id)
+            raise
+        with self._cond:
+            del self._sampler_seqs[key]
             self.samples.add(SampleJob(record.id, tenant, job_request, sampler.export_from))
             self._cond.notify_all()
         return record
 
     # --- internals
     def _enqueue(
-        self, run: RunState, seq_id: int, command: Command, rejection: UserError | Exception | None
+        self,
+        run: RunState,
+        seq_id: int,
+        request_type: str,
+        command: Command | None,
+        rejection: Exception | None,
     ) -> FutureRecord:
+        """Claim (run, seq_id) for a new future in memory, then write and queue it (`_persist_and_queue`); a
+        copy of the same request meanwhile gets the same future."""
         with self._cond:
-            if (first := run.queue.future_for(seq_id)) is not None:  # lost a race with its own retry
+            if (first := run.queue.future_for(seq_id)) is not None:  # a copy of this request, or a retry
                 return self.futures.get(first, run.tenant)
-            if seq_id < run.queue.next_seq_id:  # executed before a restart: answer with its first future
-                return self._earlier_future(run, seq_id)
-            record = self.futures.create(run.tenant, command.request_type, run.run_id, seq_id)
+            executed = seq_id < run.queue.next_seq_id
+            if not executed:
+                record = self.futures.new(run.tenant, request_type)
+                try:
+                    run.queue.reserve(seq_id, record.id)
+                except UserError:
+                    self.futures.drop(record.id)
+                    raise
+        if executed:  # executed before (maybe before a restart): answer with its first future
+            return self._earlier_future(run, seq_id)
+        return self._persist_and_queue(run, seq_id, record, command, rejection)
+
+    def _persist_and_queue(
+        self,
+        run: RunState,
+        seq_id: int,
+        record: FutureRecord,
+        command: Command | None,
+        rejection: Exception | None,
+    ) -> FutureRecord:
+        """Write a claimed future's row (outside the lock), then queue its entry (failed if `rejection`)."""
+        try:
+            self.futures.persist(record, run.run_id, seq_id)
+        except BaseException:
+            with self._cond:
+                run.queue.release(seq_id)
+            self.futures.drop(record.id)
+            raise
+        with self._cond:
             run.queue.add(Entry(seq_id, record.id, None if rejection else command, time.monotonic()))
+            self._active[run.run_id] = run
             self._cond.notify_all()
         if rejection is not None:
             self.futures.fail(record.id, rejection)
@@ -218,7 +287,10 @@ class TrainingService:
     def _resubmitted(self, run: RunState, tenant: str, seq_id: int) -> FutureRecord:
         if run.tenant != tenant:
             raise NotFoundError(f"training run {run.run_id!r} not found")
-        future_id = run.queue.future_for(seq_id)
+        with self._cond:
+            future_id = run.queue.future_for(seq_id)
+        if future_id is None:  # executed already: its future is in the database
+            future_id = self.store.future_id_for(run.run_id, seq_id)
         if future_id is None:
             raise UserError(f"training run {run.run_id} already exists")
         return self.futures.get(future_id, tenant)
@@ -249,9 +321,10 @@ class TrainingService:
         """Everything checkable before execution: limits, names, references, the engine's input rules."""
         if isinstance(command, Pass):
             self._check_limits(command)
+            # The slot is the worker's to change: validation reads only the request.
             self.engine.validate_pass_request(
                 PassRequest(
-                    run.slot, command.loss_fn, command.loss_fn_config, command.datums, command.forward_only
+                    None, command.loss_fn, command.loss_fn_config, command.datums, command.forward_only
                 )
             )
         elif isinstance(command, SaveState | SaveSnapshot) and command.name is not None:
@@ -292,12 +365,14 @@ class TrainingService:
         return command.base_model if isinstance(command, CreateRun) else self.info.model_name
 
     def _recover(self) -> None:
-        """After a restart: fail in-flight futures; runs come back parked (if they were) or lost."""
+        """After a restart: fail in-flight futures; runs come back parked (if their state is on disk) or
+        lost; half-written directories a crash left behind are removed."""
         failed = self.store.fail_pending_futures(RESTART_ERROR)
         last_seq = self.store.last_seq_ids()
+        removed = self.layout.remove_staging()
         for row in self.store.all_runs():
             parked = self.layout.parked_dir(row.id)
-            status = PARKED if row.status == PARKED and parked.exists() else LOST
+            status = PARKED if parked.is_dir() else LOST
             if status != row.status:
                 self.store.update_run(row.id, status=status)
             self._runs[row.id] = RunState(
@@ -305,14 +380,24 @@ class TrainingService:
                 row.tenant,
                 row.session_id,
                 row.base_model,
-                RunQueue(last_seq.get(row.id, 0) + 1),
+                RunQueue(last_seq.get(row.id, 0) + 1, self.config.max_seq_ids_ahead),
                 lora_config=LoraConfig(**row.lora_config),
                 status=status,
                 user_metadata=row.user_metadata or {},
                 parked_dir=parked if status == PARKED else None,
             )
-        if failed or self._runs:
-            log.info("recovered %d runs; failed %d requests that were in flight", len(self._runs), failed)
+        if failed or self._runs or removed:
+            log.info(
+                "recovered %d runs; failed %d requests that were in flight; removed %d unfinished writes",
+                len(self._runs),
+                failed,
+                removed,
+            )
+
+
+def _check_seq_id(seq_id: int) -> None:
+    if seq_id < 1:
+        raise UserError(f"seq_id must be >= 1 (got {seq_id})")
 
 
 def _check_limit(what: str, value: int, limit: int) -> None:

@@ -1,52 +1,143 @@
 """Training routes: create_model, load_weights, get_info, forward(_backward), optim_step, the saves.
 
 Each submission answers at once with an UntypedAPIFuture; the result comes from retrieve_future.
+
+Every request that names a run's seq_id consumes it, whatever becomes of it: the SDK counts seq_ids on
+its side and moves on even when a call fails, so a refusal that skipped the run's log would hold every
+later request of the run forever. Once a body yields its run and seq_id, any refusal (a field that
+fails validation, an undecodable tensor, a feature this server lacks) is recorded as that seq_id's
+failed future (`TrainingService.reject`) and answered like any submission; the SDK then raises the
+precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
+
+The service is called on a worker thread: its database writes never block the event loop.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.auth import Service, Tenant
-from loraplex.api.codecs import MAX_BODY_BYTES, PayloadTooLargeError, decode_forward_backward, decompress
+from loraplex.api.codecs import (
+    MAX_BODY_BYTES,
+    PayloadTooLargeError,
+    decompress,
+    parse_forward_backward,
+    pass_command,
+)
 from loraplex.api.wire import (
     CreateModelRequest,
     LoadWeightsRequest,
     ModelRequest,
     OptimStepRequest,
+    SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
     lora_info_json,
 )
 from loraplex.errors import UserError
+from loraplex.runtime.commands import Command
 from loraplex.runtime.futures import FutureRecord
+from loraplex.runtime.service import TrainingService
 
 router = APIRouter()
+
+
+class UnprocessableBodyError(UserError):
+    """A JSON body that cannot be read as the route's request, nor as far as its run and seq_id (422)."""
+
+    status_code = 422
 
 
 def _future(record: FutureRecord, model_id: str) -> dict[str, Any]:
     return {"request_id": record.id, "model_id": model_id}
 
 
+def _json_route(wire: type[BaseModel]) -> dict[str, Any]:
+    """Route options that document a body the handler reads itself (so it can account for its seq_id)."""
+    schema = wire.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
+        }
+    }
+
+
+async def _submit_ordered(
+    request: Request,
+    service: TrainingService,
+    tenant: str,
+    wire: type[BaseModel],
+    request_type: str,
+    to_command: Callable[[Any], Command],
+) -> dict[str, Any]:
+    """Validate a JSON body into its command and submit it; a refusal becomes its seq_id's failed future."""
+    raw = await request.body()
+    try:
+        body = wire.model_validate_json(raw)
+        command = to_command(body)
+    except (ValidationError, UserError) as error:
+        refusal = UserError(_describe(error)) if isinstance(error, ValidationError) else error
+        model_id, seq_id = _run_and_seq_id(raw, refusal)
+        record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, request_type, refusal)
+        return _future(record, model_id)
+    model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
+    return _future(await run_in_threadpool(service.submit, tenant, model_id, seq_id, command), model_id)
+
+
+def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
+    """The model_id and seq_id of a refused body, read leniently; without both, the refusal is a 422."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    model_id = data.get("model_id") if isinstance(data, dict) else None
+    seq_id = data.get("seq_id") if isinstance(data, dict) else None
+    if not isinstance(model_id, str) or isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise UnprocessableBodyError(str(refusal))
+    return model_id, seq_id
+
+
+def _describe(error: ValidationError) -> str:
+    """A validation error as one line per field, without echoing the values (they may be huge, or NaN)."""
+    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()]
+    return "invalid request body: " + "; ".join(problems)
+
+
 @router.post("/create_model")
-async def create_model(body: CreateModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+def create_model(body: CreateModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
     record = service.create_run(tenant, body.session_id, body.model_seq_id, body.to_command())
     return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
 
 
-@router.post("/load_weights")
-async def load_weights(body: LoadWeightsRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    command = body.to_command()
-    if body.session_id is not None and body.model_seq_id is not None:
-        record = service.create_run(tenant, body.session_id, body.model_seq_id, command)
-        return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
-    if body.model_id is None or body.seq_id is None:
-        raise UserError(
-            "load_weights needs session_id + model_seq_id (new run) or model_id + seq_id (in place)"
+@router.post("/load_weights", **_json_route(LoadWeightsRequest))
+async def load_weights(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    """Create-via-load (session_id + model_seq_id: a new run) or the legacy in-place load (model_id +
+    seq_id)."""
+    try:
+        body: LoadWeightsRequest | None = LoadWeightsRequest.model_validate_json(await request.body())
+    except ValidationError:
+        body = None  # refused below, as the in-place load it names (or a 422 if it names no run)
+    if body is not None and body.session_id is not None and body.model_seq_id is not None:
+        command = body.to_command()
+        record = await run_in_threadpool(
+            service.create_run, tenant, body.session_id, body.model_seq_id, command
         )
-    return _future(service.submit(tenant, body.model_id, body.seq_id, command), body.model_id)
+        return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
+
+    def in_place(body: LoadWeightsRequest) -> Command:
+        if body.model_id is None or body.seq_id is None:
+            raise UserError(
+                "load_weights needs session_id + model_seq_id (new run) or model_id + seq_id (in place)"
+            )
+        return body.to_command()
+
+    return await _submit_ordered(request, service, tenant, LoadWeightsRequest, "LoadWeights", in_place)
 
 
 @router.post("/get_info")
@@ -74,24 +165,48 @@ async def forward_backward(request: Request, service: Service, tenant: Tenant) -
     if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
         raise PayloadTooLargeError(f"body exceeds {MAX_BODY_BYTES} bytes")
     body = decompress(await request.body(), request.headers.get("content-encoding"))
-    model_id, seq_id, command = decode_forward_backward(body)
-    return _future(service.submit(tenant, model_id, seq_id, command), model_id)
+    msg = parse_forward_backward(body)
+    model_id, seq_id = msg.model_id, msg.seq_id
+    try:
+        command = pass_command(msg)
+    except UserError as refusal:
+        record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal)
+        return _future(record, model_id)
+    return _future(await run_in_threadpool(service.submit, tenant, model_id, seq_id, command), model_id)
 
 
-@router.post("/optim_step")
-async def optim_step(body: OptimStepRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    return _future(service.submit(tenant, body.model_id, body.seq_id, body.to_command()), body.model_id)
+@router.post("/optim_step", **_json_route(OptimStepRequest))
+async def optim_step(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(
+        request, service, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command
+    )
 
 
-@router.post("/save_weights")
-async def save_weights(body: SaveWeightsRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    return _future(service.submit(tenant, body.model_id, body.seq_id, body.to_command()), body.model_id)
+@router.post("/save_weights", **_json_route(SaveWeightsRequest))
+async def save_weights(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(
+        request, service, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
+    )
 
 
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(
-    body: SaveWeightsForSamplerRequest, service: Service, tenant: Tenant
-) -> dict[str, Any]:
-    session_id = service.run_state(tenant, body.model_id).session_id
-    command = body.to_command(session_id)
-    return _future(service.submit(tenant, body.model_id, body.seq_id, command), body.model_id)
+@router.post("/save_weights_for_sampler", **_json_route(SaveWeightsForSamplerRequest))
+async def save_weights_for_sampler(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    def to_command(body: SaveWeightsForSamplerRequest) -> Command:
+        return body.to_command(service.run_state(tenant, body.model_id).session_id)
+
+    return await _submit_ordered(
+        request, service, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
+    )
+
+
+@router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
+async def save_weights_external(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    def unsupported(_body: SaveWeightsExternalRequest) -> Command:
+        raise UserError(
+            "save_weights_external (a downloadable HF/PEFT export) is not supported by this server; "
+            "save_weights_for_sampler writes a PEFT snapshot on the server"
+        )
+
+    return await _submit_ordered(
+        request, service, tenant, SaveWeightsExternalRequest, "SaveWeightsExternal", unsupported
+    )

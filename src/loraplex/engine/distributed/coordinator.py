@@ -25,9 +25,11 @@ from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, descri
 from loraplex.engine.distributed.protocol import (
     Command,
     FreeSlot,
+    GatherGradients,
     OptimStep,
     Ping,
     RankError,
+    Rollback,
     RunPass,
     Shutdown,
     SyncSlot,
@@ -71,6 +73,7 @@ class DistributedEngine(Engine):
         local_ranks: LocalRanks | None = None,
     ) -> None:
         self.local = local
+        self.max_slots = local.max_slots
         self.info = dataclasses.replace(
             local.info, device=f"{local.info.device} (data parallel over {group.world_size} ranks)"
         )
@@ -103,6 +106,7 @@ class DistributedEngine(Engine):
         by rank 0 and never sent; per-datum outputs come back in order; metrics are recomputed from them
         (sharding.py); each rank's training datums add into its own accumulators, which `optim_step` sums.
         """
+        self.local.require_live_slots(requests)
         results: list[PassResult | UserError | None] = [None] * len(requests)
         accepted: list[int] = []
         for index, request in enumerate(requests):
@@ -158,13 +162,17 @@ class DistributedEngine(Engine):
         self._exchange([command] * self._group.world_size)
 
     # --- rank 0's replica alone
-    def save_state(self, slot: int, directory: Path, owner_digest: str) -> int:
-        """Rank 0 writes the checkpoint, in the single-rank format."""
-        return self.local.save_state(slot, directory, owner_digest)
+    def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
+        """Rank 0 writes the checkpoint, in the single-rank format; with gradients, every rank's share of
+        them is first summed onto rank 0."""
+        if with_gradients:
+            self.local.pool.get(slot)  # NotFoundError before anything is sent
+            self._exchange([GatherGradients(slot)] * self._group.world_size)
+        return self.local.save_state(slot, directory, owner_digest, with_gradients)
 
-    def read_checkpoint_config(self, directory: Path) -> LoraConfig:
-        """The LoraConfig of a training checkpoint or a sampler snapshot directory."""
-        return self.local.read_checkpoint_config(directory)
+    def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
+        """Rank 0 converts the checkpoint's files; no slot, no other rank."""
+        return self.local.export_snapshot(checkpoint_dir, snapshot_dir, owner_digest)
 
     def save_snapshot(self, slot: int, directory: Path) -> int:
         """Rank 0 writes the PEFT snapshot."""
@@ -207,8 +215,11 @@ class DistributedEngine(Engine):
             self._last_exchange = time.monotonic()
         errors = [reply for reply in replies if isinstance(reply, RankError)]
         if errors:
+            # The failed ranks undid their share; the others take theirs back, so no rank keeps any of it.
+            self._exchange_locked([Rollback()] * self._group.world_size)
+            what = "pass" if isinstance(commands[0], RunPass) else "optimizer step"
             raise ServerError(
-                "; ".join(f"engine rank {e.rank} failed its share of the pass: {e.message}" for e in errors)
+                "; ".join(f"engine rank {e.rank} failed its share of the {what}: {e.message}" for e in errors)
             )
         return replies
 

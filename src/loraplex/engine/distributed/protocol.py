@@ -47,6 +47,19 @@ class FreeSlot:
 
 
 @dataclass(frozen=True)
+class Rollback:
+    """Take back this rank's last pass or step: another rank failed its share, so the whole one fails."""
+
+
+@dataclass(frozen=True)
+class GatherGradients:
+    """Sum `slot`'s gradient accumulators onto rank 0 (the others zero theirs), so rank 0's copy is the
+    whole of them: a run parked between forward_backward and optim_step keeps every rank's share."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
 class Ping:
     """A heartbeat: keeps idle ranks within the collective timeout and shows that every rank answers."""
 
@@ -56,12 +69,15 @@ class Shutdown:
     """Leave the command loop and the group; not answered."""
 
 
-Command = RunPass | OptimStep | SyncSlot | FreeSlot | Ping | Shutdown
+Command = RunPass | OptimStep | Rollback | GatherGradients | SyncSlot | FreeSlot | Ping | Shutdown
+# Commands that change slots as one transaction across the ranks: a failed share fails them on every rank.
+TRANSACTIONAL = (RunPass, OptimStep)
 
 
 @dataclass(frozen=True)
 class RankError:
-    """A rank's answer when its share of a pass raised: the pass fails, the group stays usable."""
+    """A rank's answer when its share of a pass or step raised (and was undone on that rank): the whole
+    pass or step is taken back on every rank, and the group stays usable."""
 
     rank: int
     message: str

@@ -13,11 +13,14 @@ import torch
 
 from loraplex.engine.distributed.group import RankGroup, all_reduce_flat, broadcast_flat
 from loraplex.engine.distributed.protocol import (
+    TRANSACTIONAL,
     Command,
     FreeSlot,
+    GatherGradients,
     OptimStep,
     Ping,
     RankError,
+    Rollback,
     RunPass,
     SyncSlot,
 )
@@ -32,25 +35,29 @@ log = logging.getLogger(__name__)
 def answer(command: Command, engine: LocalEngine, group: RankGroup) -> object:
     """Execute `command` and return this rank's reply.
 
-    A failed share of a pass becomes a RankError reply and the group stays usable: the pass fails, and
-    may have left part of itself in the accumulators, as a single-rank pass failing part way may. Any
-    other failure propagates, because this replica may now differ from the others and must not go on.
+    A failed share of a pass or step becomes a RankError reply and the group stays usable: the local
+    engine has already undone it on this rank, and rank 0 then has every rank roll it back. Any other
+    failure propagates, because this replica may now differ from the others and must not go on.
     """
     try:
         return execute(command, engine, group)
     except Exception as error:
-        if not isinstance(command, RunPass):
+        if not isinstance(command, TRANSACTIONAL):
             raise
-        log.exception("engine rank %d: its share of a pass failed", group.rank)
+        log.exception("engine rank %d: its share of a %s failed", group.rank, type(command).__name__)
         return RankError(group.rank, f"{type(error).__name__}: {error}")
 
 
 def execute(command: Command, engine: LocalEngine, group: RankGroup) -> object:
     """This rank's part of `command`; the reply rank 0 gathers."""
     if isinstance(command, RunPass):
-        return engine.run_pass(command.requests)
+        return engine.run_pass(command.requests, keep_undo=True)
     if isinstance(command, OptimStep):
         return step_replicas(engine, command.steps, group)
+    if isinstance(command, Rollback):
+        return engine.undo_last()
+    if isinstance(command, GatherGradients):
+        return gather_gradients(engine, command.slot, group)
     if isinstance(command, SyncSlot):
         return sync_slot(engine, command, group)
     if isinstance(command, FreeSlot):
@@ -70,8 +77,21 @@ def step_replicas(
     gradients and takes the same step, so the replicas stay identical and the grad norm needs no
     further collective.
     """
-    all_reduce_flat([engine.pool.get(slot).adam.grads_N for slot in steps], group.data)
-    return engine.optim_step(steps)
+    return engine.optim_step(
+        steps, keep_undo=True, reduce_gradients=lambda grads: all_reduce_flat(grads, group.data)
+    )
+
+
+@torch.no_grad()
+def gather_gradients(engine: LocalEngine, slot: int, group: RankGroup) -> None:
+    """Sum the slot's accumulators over the ranks onto rank 0; the others zero theirs (the sum is kept)."""
+    adam = engine.pool.get(slot).adam
+    all_reduce_flat([adam.grads_N], group.data)
+    if group.rank != 0:
+        adam.grads_N.zero_()
+        adam.has_gradients = False
+    else:
+        adam.has_gradients = True
 
 
 @torch.no_grad()
