@@ -1,5 +1,5 @@
-"""The `loraplex` command: subcommands `serve`, `engine-worker`, `keys` and `demo`, each registered by a
-small function.
+"""The `loraplex` command: subcommands `serve`, `engine-worker`, `keys`, `doctor`, `gc`, `demo` and `bench`,
+each registered by a small function.
 
 To add a subcommand (e.g. bench), write `_add_<name>(subparsers)` that sets
 `handler=` on its parser and list it in SUBCOMMANDS. Server options come from ServerConfig's fields,
@@ -235,6 +235,64 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- doctor and gc
+_RETENTION_OPTIONS = (
+    "data_dir",
+    "database_url",
+    "future_retention_s",
+    "snapshot_idle_s",
+    "session_timeout_s",
+)
+
+
+def _add_doctor(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "doctor", help="Report data-dir usage by kind and what retention would remove now (changes nothing)."
+    )
+    _config_options(parser, only=_RETENTION_OPTIONS)
+    parser.set_defaults(handler=_doctor)
+
+
+def _add_gc(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gc",
+        help="Remove what retention says is due (expired results, checkpoints and snapshots), as a running "
+        "server does every --retention-sweep-s; for a stopped server's data dir.",
+    )
+    _config_options(parser, only=_RETENTION_OPTIONS)
+    parser.set_defaults(handler=_doctor, apply=True)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from loraplex.runtime.checkpoints import DiskLayout
+    from loraplex.runtime.retention import Retention, RetentionPolicy
+    from loraplex.runtime.store import Store, utcnow
+
+    config = config_from_args(args)
+    if not config.data_dir.is_dir():
+        raise UserError(f"--data-dir {config.data_dir} does not exist")
+    layout = DiskLayout(config.data_dir)
+    print(f"data dir {config.data_dir.resolve()}")
+    for kind, (files, size) in sorted(layout.usage().items()):
+        print(f"  {kind:<28} {files:>7} files {size / 2**20:>12.1f} MiB")
+    store = Store(config.resolved_database_url())
+    try:
+        print(f"database {store.display_url}: {store.count_futures()} request results stored")
+        policy = RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s)
+        retention = Retention(store, layout, policy)
+        apply = getattr(args, "apply", False)
+        removal = retention.sweep(utcnow()) if apply else retention.due(utcnow())
+        paths = ", ".join(map(str, removal.checkpoints)) or "-"
+        print("removed:" if apply else "retention would remove:")
+        print(f"  {removal.futures} request results finished over {config.future_retention_s:g} s ago")
+        print(f"  {len(removal.checkpoints)} expired checkpoints: {paths}")
+        print(f"  {len(removal.samplers)} unreachable samplers and their snapshots")
+        print(f"  {removal.bytes / 2**20:.1f} MiB of checkpoint and snapshot files")
+    finally:
+        store.close()
+    return 0
+
+
 # --- demo
 def _add_demo(subparsers: Any) -> None:
     from loraplex import demo  # light: the demo imports the SDK and matplotlib only when it runs
@@ -251,7 +309,15 @@ def _add_bench(subparsers: Any) -> None:
     add_bench_parser(subparsers)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_serve, _add_engine_worker, _add_keys, _add_demo, _add_bench]
+SUBCOMMANDS: list[Callable[[Any], None]] = [
+    _add_serve,
+    _add_engine_worker,
+    _add_keys,
+    _add_doctor,
+    _add_gc,
+    _add_demo,
+    _add_bench,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

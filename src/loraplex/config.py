@@ -100,6 +100,20 @@ class ServerConfig(BaseModel):
         ge=1,
         description="Samples queued or generating at once; past it asample answers 429 and the SDK resends.",
     )
+    future_retention_s: float = Field(
+        86400.0,
+        gt=0,
+        description="How long a finished request's result stays retrievable (s); older ones are deleted.",
+    )
+    snapshot_idle_s: float = Field(
+        3600.0,
+        gt=0,
+        description="An unnamed sampler snapshot (one per save_weights_and_get_sampling_client) unused this "
+        "long is deleted with its sampler (s); also once its session ends or goes silent.",
+    )
+    retention_sweep_s: float = Field(
+        60.0, gt=0, description="How often expired results, checkpoints and snapshots are deleted (s)."
+    )
     long_poll_s: float = Field(30.0, gt=0, description="How long retrieve_future holds before try_again.")
     session_timeout_s: float = Field(
         300.0, gt=0, description="Heartbeat silence after which a session's runs are parked to disk."

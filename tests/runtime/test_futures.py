@@ -15,7 +15,7 @@ from loraplex.runtime.store.schema import RunRow
 
 def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    futures = FutureTable(Store(url))
+    futures = FutureTable(Store(url), 3600.0)
     ok, user, server = (futures.create("alice", "forward_backward", "r", seq) for seq in (1, 2, 3))
 
     async def wait_for_all() -> list[str]:
@@ -31,7 +31,7 @@ def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Pat
         return [record.status for record in await asyncio.gather(*waits)]
 
     assert asyncio.run(wait_for_all()) == ["complete", "failed", "failed"]
-    reread = FutureTable(Store(url))  # a restart: the records come from the database
+    reread = FutureTable(Store(url), 3600.0)  # a restart: the records come from the database
     outcomes = [reread.get(f.id, "alice") for f in (ok, user, server)]
     assert outcomes[0].result == {"metrics": {"loss:sum": 1.5}}
     assert (outcomes[1].error, outcomes[1].category) == ("bad datum 3", "user")
@@ -53,7 +53,7 @@ def test_a_runs_future_stamps_the_runs_last_request_time(tmp_path: Path) -> None
             last_request_at=created,
         )
     )
-    record = FutureTable(store).create("alice", "optim_step", "s:train:0", 1)
+    record = FutureTable(store, 3600.0).create("alice", "optim_step", "s:train:0", 1)
     row = store.get_run("s:train:0")
     assert row is not None and row.last_request_at.replace(tzinfo=UTC) > created
     assert store.get_future(record.id) is not None

@@ -97,3 +97,27 @@ class DiskLayout:
         return sum(
             recover_unfinished_writes(self.data_dir / area) for area in ("checkpoints", "snapshots", "parked")
         )
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """Files and bytes under the data dir by kind: training and sampler checkpoints, sampler snapshots,
+        parked runs, models, the SQLite database, logs, and anything else."""
+        kinds: dict[str, tuple[int, int]] = {}
+        for path in self.data_dir.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                kind = self._kind_of(path.relative_to(self.data_dir))
+                files, size = kinds.get(kind, (0, 0))
+                kinds[kind] = (files + 1, size + path.stat().st_size)
+        return kinds
+
+    @staticmethod
+    def _kind_of(relative: Path) -> str:
+        parts = relative.parts
+        if parts[0] == "checkpoints" and len(parts) > 2:
+            return f"checkpoints ({CHECKPOINT_KINDS.get(parts[2], parts[2])})"
+        if parts[0] in ("snapshots", "parked", "models"):
+            return parts[0]
+        if relative.name.startswith("loraplex.db"):
+            return "database"
+        if relative.suffix == ".log":
+            return "logs"
+        return "other"

@@ -57,8 +57,9 @@ def error_category(error: BaseException) -> str:
 class FutureTable:
     """All futures of the service, keyed by request id."""
 
-    def __init__(self, store: Store, retained: int = 4096) -> None:
+    def __init__(self, store: Store, retention_s: float, retained: int = 4096) -> None:
         self._store = store
+        self._retention_s = retention_s  # how long finished futures stay in the database (retention.py)
         self._retained = retained  # finished records kept in memory; older ones are read from the DB
         self._lock = threading.Lock()
         self._pending: dict[str, FutureRecord] = {}
@@ -158,13 +159,13 @@ class FutureTable:
     def get(self, future_id: str, tenant: str) -> FutureRecord:
         """A future of `tenant` (NotFoundError for unknown ids and other tenants' futures alike)."""
         record = self._in_memory(future_id) or self._load(future_id)
-        return _owned(record, future_id, tenant)
+        return self._owned(record, future_id, tenant)
 
     async def wait(self, future_id: str, tenant: str, timeout_s: float) -> FutureRecord:
         """The future once done, or still pending after `timeout_s` (the long-poll). A future no longer in
         memory is read from the database on a worker thread, never on the event loop."""
         record = self._in_memory(future_id) or await asyncio.to_thread(self._load, future_id)
-        record = _owned(record, future_id, tenant)
+        record = self._owned(record, future_id, tenant)
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         with self._lock:
@@ -177,6 +178,14 @@ class FutureTable:
             with self._lock:
                 if (loop, waiter) in record._waiters:
                     record._waiters.remove((loop, waiter))
+        return record
+
+    def _owned(self, record: FutureRecord | None, future_id: str, tenant: str) -> FutureRecord:
+        if record is None or record.tenant != tenant:
+            raise NotFoundError(
+                f"future {future_id!r} not found: unknown, another tenant's, or finished more than "
+                f"{self._retention_s:g} s ago (this server keeps results that long)"
+            )
         return record
 
     def _in_memory(self, future_id: str) -> FutureRecord | None:
@@ -196,12 +205,6 @@ class FutureTable:
             error=row.error,
             category=row.category,
         )
-
-
-def _owned(record: FutureRecord | None, future_id: str, tenant: str) -> FutureRecord:
-    if record is None or record.tenant != tenant:
-        raise NotFoundError(f"future {future_id!r} not found")
-    return record
 
 
 def _outcome_row(future_id: str, outcome: Result | BaseException) -> FutureOutcome:

@@ -94,6 +94,10 @@ class SampleQueue:
         self.queued_samples -= job.num_samples
         return job
 
+    def jobs(self) -> list[SampleJob]:
+        """Every unfinished request: waiting for the worker, or inside the engine."""
+        return [*self._waiting, *self._active.values()]
+
     def active_ids(self) -> list[str]:
         """Future ids of every request handed to the worker and not finished."""
         return list(self._active)

@@ -35,6 +35,7 @@ from loraplex.runtime.commands import (
 from loraplex.runtime.execution import Executor, lost_run_error
 from loraplex.runtime.futures import FutureRecord, FutureTable
 from loraplex.runtime.keys import TenantResolver
+from loraplex.runtime.retention import Retention, RetentionPolicy
 from loraplex.runtime.run_queue import LOST, PARKED, Entry, RunQueue, RunState
 from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleRequest
 from loraplex.runtime.scheduler import Gathering, Scheduler
@@ -54,7 +55,7 @@ class TrainingService:
     def __init__(self, engine: Engine, store: Store, config: ServerConfig) -> None:
         self.engine, self.store, self.config = engine, store, config
         self.layout = DiskLayout(config.data_dir)
-        self.futures = FutureTable(store)
+        self.futures = FutureTable(store, config.future_retention_s)
         self.sessions = SessionTable(store, config.session_timeout_s)
         self.catalog = Catalog(store, self.layout)
         self.tenants = TenantResolver(store, config.auth)
@@ -80,6 +81,12 @@ class TrainingService:
             scheduler,
             self._active,
             self.samples,
+            Retention(
+                store,
+                self.layout,
+                RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s),
+            ),
+            config.retention_sweep_s,
             config.max_prefill_tokens,
             self._cond,
         )

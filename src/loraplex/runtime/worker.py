@@ -4,7 +4,9 @@ Each cycle takes one plan from the scheduler (residency moves, then at most one 
 step with the barriers), hands newly queued sampling requests to the engine and runs one sampler step, so
 decoding and training interleave and neither starves; sampling reads immutable snapshots, so it never
 waits for a training barrier. About once a second it also parks the runs of sessions whose lease lapsed,
-failing first any requests of theirs stuck behind a seq_id that will never come.
+failing first any requests of theirs stuck behind a seq_id that will never come; and every
+`retention_sweep_s` it deletes what retention says is due (retention.py), sparing what queued or running
+requests read.
 
 Supervised: a failure anywhere in a cycle fails the requests it concerns (execution.py), is logged, and
 the loop goes on after a short pause. Only an engine that reports it cannot go on (a dead data-parallel
@@ -16,17 +18,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from loraplex.engine.interface import Engine
 from loraplex.errors import UserError
 from loraplex.runtime.checkpoints import DiskLayout, owner_digest
+from loraplex.runtime.commands import CreateRunFromCheckpoint, LoadState
 from loraplex.runtime.execution import Executor
 from loraplex.runtime.futures import FutureTable
+from loraplex.runtime.retention import Retention
 from loraplex.runtime.run_queue import LOST, RunState
 from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleResult
 from loraplex.runtime.scheduler import Plan, Scheduler
 from loraplex.runtime.sessions import SessionTable
+from loraplex.runtime.store import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +55,19 @@ class EngineWorker:
         scheduler: Scheduler,
         active: dict[str, RunState],
         samples: SampleQueue,
+        retention: Retention,
+        retention_sweep_s: float,
         max_prefill_tokens: int,
         cond: threading.Condition,
     ) -> None:
         self.engine, self.executor, self.futures, self.sessions = engine, executor, futures, sessions
         self.layout, self.scheduler, self.active, self.cond = layout, scheduler, active, cond
         self.samples, self.max_prefill_tokens = samples, max_prefill_tokens
+        self.retention, self.retention_sweep_s = retention, retention_sweep_s
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_lease_check = 0.0
+        self._next_sweep = time.monotonic() + retention_sweep_s
 
     def run(self, keep_running: Callable[[], bool] = lambda: True) -> None:
         """Run the loop on the calling thread until stopped, or until `keep_running()` turns false.
@@ -99,6 +109,9 @@ class EngineWorker:
         if time.monotonic() >= self._next_lease_check:
             self._next_lease_check = time.monotonic() + _LEASE_CHECK_S
             self._expire_leases()
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self.retention_sweep_s
+            self._sweep()
         self._forget_quiet_runs()
         return healthy
 
@@ -137,6 +150,24 @@ class EngineWorker:
         for run in lapsed:
             if run.slot is not None and run.queue.is_idle():
                 self.executor.park(run)
+
+    def _sweep(self) -> None:
+        """Delete what retention says is due, except what a queued or running request reads."""
+        with self.cond:
+            in_use = frozenset(self._directories_in_use())
+        self.retention.sweep(utcnow(), in_use)
+
+    def _directories_in_use(self) -> Iterator[Path]:
+        """Checkpoint and snapshot directories that queued commands or unfinished samples will read."""
+        for run in self.active.values():
+            for entry in run.queue.pending():
+                if isinstance(entry.command, LoadState | CreateRunFromCheckpoint):
+                    yield self.layout.checkpoint_dir(entry.command.source)
+        for job in self.samples.jobs():
+            if job.request.snapshot is not None:
+                yield job.request.snapshot
+            if job.export_from is not None:
+                yield self.layout.checkpoint_dir(job.export_from)
 
     def _forget_quiet_runs(self) -> None:
         """Keep the per-cycle plan set to runs that hold a slot or have commands: idle parked and lost runs

@@ -11,11 +11,25 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import bindparam, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    bindparam,
+    case,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Engine as SqlEngine
 from sqlalchemy.orm import sessionmaker
 
 from loraplex.runtime.store.schema import (
+    COLUMNS_ADDED,
     ApiKeyRow,
     Base,
     CheckpointRow,
@@ -71,6 +85,7 @@ class Store:
         self.url = url
         self._engine = _connect(url)
         Base.metadata.create_all(self._engine)
+        _upgrade(self._engine)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
 
     @property
@@ -204,12 +219,14 @@ class Store:
     # add_future and finish_futures run on every request: prebuilt Core statements on a connection, not
     # the ORM's unit of work, which costs several times more Python per row.
     def add_future(self, row: FutureRow) -> None:
-        """Store a new future; a run's future also stamps the run's last request time (one transaction)."""
+        """Store a new future; a run's future also stamps the run's last request time and highest seq_id,
+        a sampler's its last use (one transaction)."""
         values = {column.key: getattr(row, column.key) for column in _FUTURES.columns}
+        stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
         with self._engine.begin() as connection:
             connection.execute(_INSERT_FUTURE, values)
             if row.run_id is not None:
-                connection.execute(_STAMP_RUN, {"stamped_run": row.run_id, "stamped_at": row.created_at})
+                connection.execute(_STAMP_SAMPLER if row.request_type == "Sample" else _STAMP_RUN, stamp)
 
     def finish_futures(self, outcomes: Sequence[FutureOutcome]) -> None:
         """Record the outcomes of several futures in one transaction."""
@@ -246,21 +263,77 @@ class Store:
             return s.execute(update(FutureRow).where(FutureRow.status == "pending").values(**values)).rowcount
 
     def last_seq_ids(self) -> dict[str, int]:
-        """Per run, the highest seq_id that has a future (so a recovered run continues after it)."""
+        """Per run, the highest seq_id it accepted (so a recovered run continues after it): the run's own
+        record, or its futures for a database written before that record existed."""
         query = select(FutureRow.run_id, func.max(FutureRow.seq_id)).where(FutureRow.run_id.is_not(None))
         with self._session() as s:
             rows: Sequence[Any] = s.execute(query.group_by(FutureRow.run_id)).all()
-        return {run_id: seq for run_id, seq in rows if seq is not None}
+            recorded: Sequence[Any] = s.execute(select(RunRow.id, RunRow.last_seq_id)).all()
+        last = {run_id: seq for run_id, seq in rows if seq is not None}
+        for run_id, seq in recorded:
+            if seq is not None:
+                last[run_id] = max(seq, last.get(run_id, seq))
+        return last
+
+    # --- retention (runtime/retention.py decides; these only select and delete)
+    def prune_futures(self, finished_before: datetime) -> int:
+        """Delete futures that finished before the given time; return how many."""
+        with self._session.begin() as s:
+            query = delete(FutureRow).where(
+                FutureRow.status != "pending", FutureRow.completed_at < finished_before
+            )
+            return s.execute(query).rowcount
+
+    def count_prunable_futures(self, finished_before: datetime) -> int:
+        """How many futures `prune_futures` would delete."""
+        query = select(func.count()).where(
+            FutureRow.status != "pending", FutureRow.completed_at < finished_before
+        )
+        with self._session() as s:
+            return s.scalar(query) or 0
+
+    def expired_checkpoints(self, now: datetime) -> list[CheckpointRow]:
+        """Checkpoints whose TTL has run out."""
+        return self._all(select(CheckpointRow).where(CheckpointRow.expires_at < now))
+
+    def all_samplers(self) -> list[SamplerRow]:
+        """Every sampling session (retention looks for the unreachable ones)."""
+        return self._all(select(SamplerRow))
+
+    def delete_sampler(self, sampler_id: str) -> None:
+        """Forget a sampling session."""
+        with self._session.begin() as s:
+            s.execute(delete(SamplerRow).where(SamplerRow.id == sampler_id))
+
+    def sessions_by_id(self, session_ids: Sequence[str]) -> dict[str, SessionRow]:
+        """The named sessions that exist."""
+        rows = self._all(select(SessionRow).where(SessionRow.id.in_(list(session_ids))))
+        return {row.id: row for row in rows}
+
+    def count_futures(self) -> int:
+        """How many futures the database holds."""
+        with self._session() as s:
+            return s.scalar(select(func.count()).select_from(FutureRow)) or 0
 
 
 # The request path's statements, built once (building one cost about as much as running it on SQLite). Bound
 # parameters are named unlike any column: one named like a column would also be SET by an UPDATE.
 _FUTURES, _RUNS = FutureRow.__table__, RunRow.__table__
 _INSERT_FUTURE = insert(_FUTURES)
+_SAMPLERS = SamplerRow.__table__
+_STAMPED_SEQ = bindparam("stamped_seq", type_=BigInteger)  # typed: PostgreSQL cannot infer it inside CASE
 _STAMP_RUN = (
     update(_RUNS)
-    .where(_RUNS.c.id == bindparam("stamped_run"))
-    .values(last_request_at=bindparam("stamped_at"))
+    .where(_RUNS.c.id == bindparam("stamped_id"))
+    .values(
+        last_request_at=bindparam("stamped_at"),
+        last_seq_id=case((_RUNS.c.last_seq_id >= _STAMPED_SEQ, _RUNS.c.last_seq_id), else_=_STAMPED_SEQ),
+    )
+)
+_STAMP_SAMPLER = (
+    update(_SAMPLERS)
+    .where(_SAMPLERS.c.id == bindparam("stamped_id"))
+    .values(last_used_at=bindparam("stamped_at"))
 )
 _FINISH_FUTURE = (
     update(_FUTURES)
@@ -277,3 +350,17 @@ _FINISH_FUTURE = (
 
 def _same_path(run_id: str, kind: str, name: str) -> tuple[Any, ...]:
     return (CheckpointRow.run_id == run_id, CheckpointRow.kind == kind, CheckpointRow.name == name)
+
+
+def _upgrade(engine: SqlEngine) -> None:
+    """Bring a database made by an earlier release up to the current tables: add the columns it lacks
+    (schema.COLUMNS_ADDED; nullable, so existing rows stay valid) and the indexes."""
+    existing = {table: {c["name"] for c in inspect(engine).get_columns(table)} for table, _ in COLUMNS_ADDED}
+    with engine.begin() as connection:
+        for table, column in COLUMNS_ADDED:
+            if column not in existing[table]:
+                kind = Base.metadata.tables[table].c[column].type.compile(dialect=engine.dialect)
+                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
+    for table in Base.metadata.tables.values():
+        for index in table.indexes:
+            index.create(engine, checkfirst=True)

@@ -2,6 +2,9 @@
 
 Rows hold identities, ownership and small JSON results; never request bodies, tensors or weights
 (those live in memory or under the data directory). Times are UTC.
+
+`COLUMNS_ADDED` lists the columns added to a table after it first shipped: `Store` adds any that an
+existing database lacks (`create_all` only creates missing tables), so an upgrade keeps its data.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class RunRow(Base):
     status: Mapped[str] = mapped_column(String(16))  # live | parked | lost (run_queue.py)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # The highest seq_id the run ever accepted: where its log resumes after a restart, even once the
+    # futures that carried those seq_ids are pruned.
+    last_seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class CheckpointRow(Base):
@@ -94,6 +100,8 @@ class SamplerRow(Base):
     model_path: Mapped[str | None] = mapped_column(String(500), nullable=True)
     snapshot_dir: Mapped[str | None] = mapped_column(String(1000), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Stamped by every asample: an unnamed snapshot unused for the retention window is deleted.
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class FutureRow(Base):
@@ -104,7 +112,11 @@ class FutureRow(Base):
     # restart, so a resent request finds the first future instead of running twice. Sampling requests
     # use the sampler id as run_id (sampler and run ids never collide: ":sample:" vs ":train:"), so the
     # same constraint dedups (sampler, seq_id). NULLs (session-level requests) are not constrained.
-    __table_args__ = (UniqueConstraint("run_id", "seq_id", name="uq_future_run_seq"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "seq_id", name="uq_future_run_seq"),
+        # Retention prunes finished futures by completion time.
+        Index("ix_futures_completed", "completed_at"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(128))
@@ -119,3 +131,10 @@ class FutureRow(Base):
     category: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+# (table, column) added since the first release, in the order they were added.
+COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
+    ("training_runs", "last_seq_id"),
+    ("samplers", "last_used_at"),
+)

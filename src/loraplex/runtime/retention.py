@@ -1,0 +1,131 @@
+"""Retention: what the server keeps, and for how long, so that nothing it stores grows without bound.
+
+- Finished futures are kept `future_retention_s` after they finished, then deleted; retrieving one
+  afterwards is a 404 that says results are kept that long.
+- A sampler's own weights (the unnamed snapshot behind save_weights_and_get_sampling_client, one per RL
+  step, or the export made for a sampler over a training checkpoint) go with the sampler once no client
+  can reach it: its session finished; or its session stopped heartbeating and the sampler has not been
+  used for `session_timeout_s`; or it has not been used for `snapshot_idle_s`.
+- Named checkpoints saved with a TTL (or given one later) are deleted once it runs out.
+- Nothing that a queued or running request reads is deleted: the caller passes those directories as
+  `in_use`, and the sweep runs on the engine worker's thread, between the cycles that read them.
+
+`Retention.due` says what would go (loraplex doctor prints it); `sweep` removes it. No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout
+from loraplex.runtime.store import Store, as_utc
+from loraplex.runtime.store.schema import SamplerRow, SessionRow
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How long things are kept (seconds)."""
+
+    future_retention_s: float
+    snapshot_idle_s: float
+    session_timeout_s: float
+
+
+@dataclass
+class Removal:
+    """What one sweep removes (or, from `due`, would remove)."""
+
+    futures: int = 0
+    checkpoints: list[CheckpointPath] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)  # sampler ids; their own weight directories go too
+    directories: list[Path] = field(default_factory=list)  # every directory deleted, checkpoints included
+    bytes: int = 0  # the size of those directories
+    kept_in_use: int = 0  # due, but read by a request in flight: kept for a later sweep
+
+    def __bool__(self) -> bool:
+        return bool(self.futures or self.checkpoints or self.samplers)
+
+
+class Retention:
+    """Applies a RetentionPolicy to the store and the data directory."""
+
+    def __init__(self, store: Store, layout: DiskLayout, policy: RetentionPolicy) -> None:
+        self.store, self.layout, self.policy = store, layout, policy
+
+    def due(self, now: datetime, in_use: frozenset[Path] = frozenset()) -> Removal:
+        """What a sweep at `now` would remove, leaving alone what `in_use` names."""
+        removal = Removal()
+        removal.futures = self.store.count_prunable_futures(now - _seconds(self.policy.future_retention_s))
+        for row in self.store.expired_checkpoints(now):
+            path = CheckpointPath(row.run_id, row.kind, row.name)
+            directory = self.layout.checkpoint_dir(path)
+            if directory in in_use:
+                removal.kept_in_use += 1
+                continue
+            removal.checkpoints.append(path)
+            removal.directories.append(directory)
+        samplers = self.store.all_samplers()
+        sessions = self.store.sessions_by_id(sorted({row.session_id for row in samplers}))
+        for row in samplers:
+            if not self._unreachable(row, sessions.get(row.session_id), now):
+                continue
+            own = self._own_weights(row)
+            if own is not None and own in in_use:
+                removal.kept_in_use += 1
+                continue
+            removal.samplers.append(row.id)
+            if own is not None and own.exists():
+                removal.directories.append(own)
+        removal.bytes = sum(
+            f.stat().st_size for d in removal.directories for f in d.rglob("*") if f.is_file()
+        )
+        return removal
+
+    def sweep(self, now: datetime, in_use: frozenset[Path] = frozenset()) -> Removal:
+        """Remove what is due; rows go before their files, so nothing can reference a half-deleted one."""
+        removal = self.due(now, in_use)
+        if removal.futures:
+            self.store.prune_futures(now - _seconds(self.policy.future_retention_s))
+        for path in removal.checkpoints:
+            self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+        for sampler_id in removal.samplers:
+            self.store.delete_sampler(sampler_id)
+        for directory in removal.directories:
+            shutil.rmtree(directory, ignore_errors=True)
+        if removal:
+            log.info(
+                "retention removed %d futures, %d expired checkpoints, %d unreachable samplers",
+                removal.futures,
+                len(removal.checkpoints),
+                len(removal.samplers),
+            )
+        return removal
+
+    def _unreachable(self, row: SamplerRow, session: SessionRow | None, now: datetime) -> bool:
+        """Whether no client can use this sampler any more (module docstring)."""
+        last_used = as_utc(row.last_used_at or row.created_at)
+        if now - last_used >= _seconds(self.policy.snapshot_idle_s):
+            return True
+        if session is None or session.finished_reason is not None:
+            return True
+        silent_since = as_utc(session.last_heartbeat_at)
+        timeout = _seconds(self.policy.session_timeout_s)
+        return now - silent_since >= timeout and now - last_used >= timeout
+
+    def _own_weights(self, row: SamplerRow) -> Path | None:
+        """The weights directory that belongs to the sampler alone (never a named checkpoint)."""
+        if row.snapshot_dir is not None:
+            return Path(row.snapshot_dir)
+        if row.model_path is not None and CheckpointPath.parse(row.model_path).kind == "weights":
+            return self.layout.snapshot_dir(row.id)  # the export made for it on first use
+        return None
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)

@@ -1,0 +1,181 @@
+"""Retention: results, unnamed snapshots and expired checkpoints are deleted on schedule, nothing a request
+still reads is deleted under it, and what a server keeps stays bounded however long it runs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from loraplex.cli import main
+from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
+from loraplex.errors import NotFoundError
+from loraplex.runtime.checkpoints import CheckpointPath
+from loraplex.runtime.commands import LoadState, OptimStep, SaveSnapshot, SaveState
+from loraplex.runtime.store import utcnow
+from loraplex.runtime.store.schema import RunRow
+from tests.runtime.conftest import PHRASE, create_run, result_of, sft_pass, train_steps
+
+SHORT = {"future_retention_s": 0.3, "snapshot_idle_s": 0.2, "retention_sweep_s": 0.05}
+
+
+def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def _dir_size(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_result_is_pruned_after_the_window_with_a_clear_error_and_the_run_resumes_past_it(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory(session_timeout_s=0.3, **SHORT)
+    run = create_run(service)
+    first = service.submit("local", run, 1, sft_pass())
+    assert result_of(service, first).status == "complete"
+    train_steps(service, run, 2, first_seq=2)  # seq 2..5
+    _wait_until(lambda: service.store.count_futures() == 0)  # every finished result aged out
+    service.futures._done.clear()  # as after a restart: only the database answers
+    with pytest.raises(NotFoundError, match=r"finished more than 0.3 s ago \(this server keeps results"):
+        service.futures.get(first.id, "local")
+    _wait_until(lambda: service.catalog.run("local", run).status == "parked")  # its lease lapsed
+    service.stop()
+
+    after = service_factory(subdir="data", **SHORT)  # a restart on the same data dir
+    # The log resumes after seq 5 although no future of the run is left: seq 6 runs at once.
+    assert train_steps(after, run, 1, first_seq=6)[0] > 0
+
+
+def test_a_150_step_rl_loop_keeps_snapshots_results_and_the_data_dir_bounded(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory(**SHORT)
+    run = create_run(service)
+    counts: list[tuple[int, int, int]] = []
+    for step in range(150):
+        seq = 1 + 3 * step
+        service.submit("local", run, seq, sft_pass())
+        service.submit("local", run, seq + 1, OptimStep(AdamParams(learning_rate=0.01)))
+        session = service.run_state("local", run).session_id
+        sampler = f"{session}:sample:{step}"
+        saved = service.submit("local", run, seq + 2, SaveSnapshot(None, sampler))
+        assert result_of(service, saved).status == "complete"
+        request = SampleRequest(PHRASE, SamplingParams(max_tokens=4, seed=step), 2)
+        assert result_of(service, service.sample("local", sampler, 0, request)).status == "complete"
+        if step % 10 == 9:
+            snapshots = len(list((tmp_path / "data" / "snapshots").iterdir()))
+            counts.append((snapshots, service.store.count_futures(), _dir_size(tmp_path / "data")))
+            time.sleep(0.3)  # a slower stretch of the loop: everything older than the windows goes
+    worst = tuple(max(c[i] for c in counts) for i in range(3))
+    # Without retention: 150 snapshot dirs and 600 results, growing with every step.
+    assert worst[0] <= 40 and worst[1] <= 160, counts
+    assert counts[-1][2] <= 2 * counts[1][2], counts  # the data dir does not grow with the step count
+    _wait_until(lambda: not list((tmp_path / "data" / "snapshots").iterdir()))
+    _wait_until(lambda: service.store.count_futures() == 0)
+    assert service.store.all_samplers() == []
+
+
+def test_a_checkpoint_past_its_ttl_is_deleted_unless_a_queued_load_reads_it(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory(retention_sweep_s=0.05)
+    run = create_run(service)
+    short = result_of(service, service.submit("local", run, 1, SaveState("short", ttl_seconds=1)))
+    kept = result_of(service, service.submit("local", run, 2, SaveState("kept", ttl_seconds=1)))
+    assert short.status == kept.status == "complete"
+    kept_path = CheckpointPath.parse(kept.result["path"])
+    # A load of `kept` waits behind seq 3, which has not arrived: it reads the checkpoint later.
+    load = service.submit("local", run, 4, LoadState(kept_path, with_optimizer=True))
+    checkpoints = tmp_path / "data" / "checkpoints" / run / "weights"
+    _wait_until(lambda: not (checkpoints / "short").exists())
+    assert [v.path.name for v in service.catalog.checkpoints("local", run)] == ["kept"]
+    time.sleep(0.2)  # several more sweeps
+    assert (checkpoints / "kept").is_dir()
+    assert result_of(service, service.submit("local", run, 3, sft_pass())).status == "complete"
+    assert result_of(service, load).status == "complete"  # loaded whole, then free to go
+    _wait_until(lambda: not (checkpoints / "kept").exists())
+
+
+def test_start_up_removes_what_a_crash_during_a_save_left_and_restores_a_set_aside_checkpoint(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory()
+    run = create_run(service)
+    assert result_of(service, service.submit("local", run, 1, SaveState("ckpt"))).status == "complete"
+    service.stop()
+    weights = tmp_path / "data" / "checkpoints" / run / "weights"
+    (weights / ".half.tmp-abc123").mkdir()  # a save that died while writing
+    (weights / ".old.staging-1a2b3c4d").mkdir()  # loraplex 0.1's staging directory
+    (weights / "ckpt").rename(weights / ".ckpt.old-zz9")  # died between the two renames of an overwrite
+
+    after = service_factory(subdir="data")
+    assert sorted(p.name for p in weights.iterdir()) == ["ckpt"]
+    assert after.catalog.checkpoints("local", run)[0].path.name == "ckpt"
+
+
+def test_ten_thousand_idle_runs_are_not_planned_over(service_factory, tmp_path, monkeypatch) -> None:
+    first = service_factory()
+    now = utcnow()
+    rows = [
+        RunRow(
+            id=f"old{i}:train:0",
+            session_id=f"old{i}",
+            tenant="local",
+            base_model="fake/bigram",
+            lora_config={"rank": 4},
+            user_metadata={},
+            status="parked",
+            created_at=now,
+            last_request_at=now,
+        )
+        for i in range(10_000)
+    ]
+    with first.store._session.begin() as session:  # one transaction: the Store has no bulk insert
+        session.add_all(rows)
+    first.stop()
+
+    service = service_factory(subdir="data")
+    assert len(service._runs) == 10_000  # all known (lost: their parked state is not on disk)
+    planned: list[int] = []
+    plan = service.worker.scheduler.plan
+
+    def counting(runs, now):
+        runs = list(runs)
+        planned.append(len(runs))
+        return plan(runs, now)
+
+    monkeypatch.setattr(service.worker.scheduler, "plan", counting)
+    run = create_run(service)
+    train_steps(service, run, 2)
+    assert planned and max(planned) == 1  # the one run with work; the idle ones cost nothing
+
+
+def test_doctor_reports_usage_by_kind_and_what_retention_would_remove(
+    service_factory, tmp_path, capsys
+) -> None:
+    service = service_factory()
+    run = create_run(service)
+    assert (
+        result_of(service, service.submit("local", run, 1, SaveState("gone", ttl_seconds=1))).status
+        == "complete"
+    )
+    train_steps(service, run, 1, first_seq=2)
+    service.stop()
+    time.sleep(1.1)
+    data = str(tmp_path / "data")
+    assert main(["doctor", "--data-dir", data, "--future-retention-s", "0.001"]) == 0
+    report = capsys.readouterr().out
+    assert "checkpoints (training)" in report and "database" in report
+    assert "retention would remove:" in report and "4 request results finished over 0.001 s ago" in report
+    assert f"1 expired checkpoints: tinker://{run}/weights/gone" in report
+    assert (tmp_path / "data" / "checkpoints" / run / "weights" / "gone").is_dir()  # doctor changes nothing
+
+    assert main(["gc", "--data-dir", data, "--future-retention-s", "0.001"]) == 0
+    assert "removed:" in capsys.readouterr().out
+    assert not (tmp_path / "data" / "checkpoints" / run / "weights" / "gone").exists()
+    assert main(["doctor", "--data-dir", data]) == 0
