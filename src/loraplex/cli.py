@@ -91,7 +91,13 @@ def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
 
     def build(device: str) -> LocalEngine:
         return build_local_engine(
-            config.model, config.data_dir, device, config.max_slots, config.max_rank, config.model_name
+            config.model,
+            config.data_dir,
+            device,
+            config.max_slots,
+            config.max_rank,
+            config.model_name,
+            config.pass_token_budget,
         )
 
     return build

@@ -67,7 +67,12 @@ class ServerConfig(BaseModel):
     )
 
     # --- scheduling and leases
-    pass_token_budget: int = Field(16384, ge=1, description="Tokens packed into one engine pass (soft cap).")
+    pass_token_budget: int = Field(
+        16384,
+        ge=1,
+        description="Tokens packed into one engine pass; a larger request runs as several passes of at most "
+        "this many tokens (a longer datum alone), which bounds a pass's activation memory.",
+    )
     pass_gather_quiet_ms: float = Field(
         25.0,
         ge=0,

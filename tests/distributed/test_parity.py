@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from loraplex.engine.distributed.sharding import split_by_tokens
 from loraplex.engine.interface import Engine
 from loraplex.engine.local import LocalEngine
+from loraplex.engine.sharding import split_by_tokens
 from loraplex.engine.types import (
     AdamParams,
     LoraConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loraplex.engine.distributed.sharding import Piece, merge_results, piece_requests, split_by_tokens
+from loraplex.engine.sharding import Piece, merge_results, piece_requests, split_by_tokens
 from loraplex.engine.types import PassResult
 from tests.distributed.conftest import sft_request
 

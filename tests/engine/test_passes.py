@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from loraplex.engine import local
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult
@@ -783,3 +784,34 @@ def test_a_bad_request_fails_alone_as_a_user_error_and_changes_no_state(
     for result, single in zip([results[0], *results[2:]], alone, strict=True):
         assert_results_match(result, single, REPACK_RTOL)
     assert_grads_close(passed_grads, {s: alone_grads[s] for s in (s1, s2)}, REPACK_RTOL)
+
+
+def test_a_pass_past_the_token_budget_runs_in_pieces_within_it_and_equals_the_whole_pass(
+    engine: LocalEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(11)
+    s0, s1, _ = engine.pool.live_slots
+    requests = [
+        make_request(engine, rng, s0, Case("ppo"), [7, 9, 5]),  # 21 tokens
+        make_request(engine, rng, s1, Case("cross_entropy"), [6, 13]),  # 19 tokens
+        make_request(engine, rng, None, Case("dro"), [8], forward_only=True),
+    ]
+    zero_grads(engine)
+    whole = engine.run_pass(requests)
+    whole_grads = all_grads(engine)
+
+    packs: list[int] = []
+    original = local.run_pass
+
+    def counting(decoder, pieces, validate, chunk):
+        packs.append(sum(len(d.tokens) for r in pieces for d in r.datums))
+        return original(decoder, pieces, validate, chunk)
+
+    monkeypatch.setattr(local, "run_pass", counting)
+    zero_grads(engine)
+    engine.max_pass_tokens = 16  # the 13-token datum fits alone; no two of 7, 9, 5 together exceed 16
+    split = engine.run_pass(requests)
+    assert packs == [16, 11, 13, 8], packs  # [7 9] [5 6] [13] [8]: consecutive datums, each pass <= 16
+    for got, want in zip(split, whole, strict=True):
+        assert_results_match(got, want, REPACK_RTOL)
+    assert_grads_close(all_grads(engine), whole_grads, REPACK_RTOL)

@@ -20,6 +20,7 @@ from loraplex.engine.interface import Engine, EngineInfo
 from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.passes import run_pass
 from loraplex.engine.sampler.generation import Sampler
+from loraplex.engine.sharding import merge_results, piece_requests, split_by_budget
 from loraplex.engine.slots import SlotPool
 from loraplex.engine.transactions import SlotSnapshot
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
@@ -48,6 +49,7 @@ class LocalEngine(Engine):
         logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
         max_sampling_batch: int = DEFAULT_MAX_SAMPLING_BATCH,
         snapshot_capacity: int = DEFAULT_SNAPSHOT_CAPACITY,
+        max_pass_tokens: int | None = None,
     ) -> None:
         self.decoder = decoder
         self.info = info
@@ -55,6 +57,7 @@ class LocalEngine(Engine):
         self.max_slots = max_slots
         self._undo: SlotSnapshot | None = None  # the last keep_undo pass or step (distributed ranks)
         self.logprob_chunk = logprob_chunk
+        self.max_pass_tokens = max_pass_tokens  # a larger pass runs as several (None: never split)
         self.sampler = Sampler(
             decoder,
             Path(info.tokenizer_dir),
@@ -91,10 +94,35 @@ class LocalEngine(Engine):
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
         adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
         with self._transaction(SlotSnapshot(adams, with_state=False), keep_undo):
-            results = run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+            results = self._run_within_budget(requests)
         for adam in adams:
             adam.has_gradients = True
         return results
+
+    def _run_within_budget(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+        """One packed pass, or, past `max_pass_tokens`, consecutive passes of at most that many tokens
+        whose outputs are joined back per request: each datum's outputs and gradient depend only on the
+        datum, so the result is the one big pass's, with its activation memory bounded by the budget."""
+        tokens = sum(len(d.tokens) for r in requests for d in r.datums)
+        if self.max_pass_tokens is None or tokens <= self.max_pass_tokens:
+            return run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+        results: list[PassResult | UserError | None] = [None] * len(requests)
+        accepted = []
+        for index, request in enumerate(requests):
+            try:
+                self._validate(request)
+                accepted.append(index)
+            except UserError as error:
+                results[index] = error
+        chosen = [requests[i] for i in accepted]
+        groups = split_by_budget(chosen, self.max_pass_tokens)
+        passes = [
+            run_pass(self.decoder, piece_requests(chosen, g), self._validate, self.logprob_chunk)
+            for g in groups
+        ]
+        for index, result in zip(accepted, merge_results(chosen, groups, passes), strict=True):  # type: ignore[arg-type]
+            results[index] = result
+        return results  # type: ignore[return-value]  # every request got its result or error above
 
     def optim_step(
         self,
@@ -208,9 +236,16 @@ def resolve_device(device: str) -> torch.device:
 
 
 def build_local_engine(
-    model: str, data_dir: Path, device: str, max_slots: int, max_rank: int, model_name: str | None
+    model: str,
+    data_dir: Path,
+    device: str,
+    max_slots: int,
+    max_rank: int,
+    model_name: str | None,
+    max_pass_tokens: int | None = None,
 ) -> LocalEngine:
-    """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`."""
+    """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`; passes past
+    `max_pass_tokens` run in pieces."""
     is_tiny = model == "tiny"
     model_dir = ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser().resolve()
     if not (model_dir / "config.json").is_file():
@@ -232,4 +267,4 @@ def build_local_engine(
         base_model_digest=base_model_digest(model_dir),
         device=str(torch_device),
     )
-    return LocalEngine(decoder, info, max_slots)
+    return LocalEngine(decoder, info, max_slots, max_pass_tokens=max_pass_tokens)

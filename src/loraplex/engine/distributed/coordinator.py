@@ -37,9 +37,9 @@ from loraplex.engine.distributed.protocol import (
     scatter_commands,
 )
 from loraplex.engine.distributed.replica import answer
-from loraplex.engine.distributed.sharding import merge_results, piece_requests, split_by_tokens
 from loraplex.engine.interface import Engine
 from loraplex.engine.local import LocalEngine
+from loraplex.engine.sharding import merge_results, piece_requests, split_by_tokens
 from loraplex.engine.types import (
     AdamParams,
     LoraConfig,

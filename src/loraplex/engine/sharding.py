@@ -1,9 +1,11 @@
-"""A pass split across engine ranks by tokens, and its per-rank results merged back into request order.
+"""A pass split by tokens, across engine ranks or into passes within a token budget, and the pieces'
+results merged back into request order.
 
-The accepted requests' datums, in order, are cut into one contiguous run per rank with about equal
-tokens; a request may be cut between ranks. Each datum's outputs depend only on the datum and its slot's
-adapter (attention never crosses sequences), so the merged outputs are the single-rank outputs, and
-request metrics are recomputed from them. No HTTP, no SQL.
+The accepted requests' datums, in order, are cut into contiguous runs: one per rank with about equal
+tokens, or as many as keep each within the budget; a request may be cut between them. Each datum's
+outputs depend only on the datum and its slot's adapter (attention never crosses sequences), so the
+merged outputs are the unsplit pass's outputs, and request metrics are recomputed from them. No HTTP,
+no SQL.
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def split_by_tokens(requests: Sequence[PassRequest], world_size: int) -> list[li
         bounds.append(max(bounds[-1], cut))
     bounds.append(len(owners))
     return [_pieces(owners[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+
+
+def split_by_budget(requests: Sequence[PassRequest], budget: int) -> list[list[Piece]]:
+    """The requests' datums, in order, cut into consecutive groups of at most `budget` tokens each (a
+    longer datum alone): the passes one oversized pass becomes. Concatenating the groups gives back every
+    datum in order."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    tokens = 0
+    for index, request in enumerate(requests):
+        for datum in range(len(request.datums)):
+            length = len(request.datums[datum].tokens)
+            if groups[-1] and tokens + length > budget:
+                groups.append([])
+                tokens = 0
+            groups[-1].append((index, datum))
+            tokens += length
+    return [_pieces(group) for group in groups if group]
 
 
 def _pieces(owners: list[tuple[int, int]]) -> list[Piece]:
