@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from starlette.concurrency import run_in_threadpool
 
 from loraplex.runtime.service import TrainingService
 
@@ -20,9 +21,10 @@ async def service_of(request: Request) -> TrainingService:
 
 
 async def current_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
-    """The caller's tenant (AuthenticationError, hence 401, for a missing or unknown key)."""
+    """The caller's tenant (AuthenticationError, hence 401, for a missing or unknown key); a key not
+    resolved recently is looked up on a worker thread, never on the event loop."""
     service: TrainingService = request.app.state.service
-    return service.tenants.tenant_for(x_api_key)
+    return service.tenants.cached(x_api_key) or await run_in_threadpool(service.tenants.tenant_for, x_api_key)
 
 
 Service = Annotated[TrainingService, Depends(service_of)]
