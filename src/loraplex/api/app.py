@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from loraplex.api.routes import futures, rest, sampling, service, training
+from loraplex.api.routes import futures, rest, sampling, service, training, unsupported
 from loraplex.errors import CapacityError, LoraplexError, UserError
 from loraplex.runtime.service import TrainingService
 
@@ -53,6 +53,8 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     app = FastAPI(title="loraplex", lifespan=lifespan)
     app.state.service = training_service
     app.add_exception_handler(LoraplexError, _loraplex_error)
-    for module in (service, training, futures, sampling, rest):
+    # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
+    for module in (service, training, futures, sampling, unsupported, rest):
         app.include_router(module.router, prefix="/api/v1")
+    app.include_router(unsupported.fallback, prefix="/api/v1")
     return app
