@@ -11,6 +11,7 @@
 # Memory: ~170 KB of saved activations per token per layer in bf16 (36 layers: ~100 GB at 16k tokens)
 # plus 8 GB of weights; fits an H200 (141 GB), not an 80 GB card (use TOKENS_PER_SLOT=512 there).
 # Dry run of the plumbing on a CPU: MODEL=smoke DEVICE=cpu SLOTS=2 TOKENS_PER_SLOT=8 ROUNDS=1 bench/gpu.sh
+# The MoE variant (a Qwen3-30B-A3B-shaped model) is bench/gpu_moe.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -19,6 +19,17 @@ _QWEN3: dict[str, Any] = {
     "use_cache": False,
 }
 
+_QWEN3_MOE: dict[str, Any] = {
+    **_QWEN3,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+    "output_router_logits": False,
+}
+
 # Shapes of the built-in presets; any other --model value is read as an HF model directory.
 PRESETS: dict[str, dict[str, Any]] = {
     # performance.md's workload. intermediate_size 1536 = 3 × hidden, the Qwen3-0.6B ratio; untied
@@ -45,6 +56,55 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "vocab_size": 151936,
         "tie_word_embeddings": True,
+    },
+    # tiny-qwen3-bench with its MLPs made sparse: 32 experts, top 4, each a quarter of the dense width, so
+    # a token's active MLP weights (and 4N) equal the dense preset's while the experts hold 8x as many.
+    "tiny-qwen3-moe-bench": {
+        **_QWEN3_MOE,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "moe_intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3-30B-A3B's published layer shape (random weights), at 24 of its 48 layers: the full model's
+    # 61 GB of bf16 weights plus ~90 GB of activations at 16k tokens exceed one H200 (141 GB), and its
+    # weight file the 64 GB disk of the machine it runs on. Per-token cost and MFU are per layer alike.
+    "qwen3-30b-a3b-shape-24l": {
+        **_QWEN3_MOE,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
+    # Seconds-fast MoE shape (8 experts, top 2, layer 1 dense) for smoke tests and the CPU bench.
+    "smoke-moe": {
+        **_QWEN3_MOE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "mlp_only_layers": [1],
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
     },
     # Seconds-fast shape for smoke tests and argument checks.
     "smoke": {

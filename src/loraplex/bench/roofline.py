@@ -2,8 +2,9 @@
 
 LoRA training of a frozen base costs 4N FLOPs per token (N = parameters of every matmul a token
 passes, lm_head included, embeddings and the small LoRA matmuls excluded): 2N forward plus 2N for
-activation gradients, no base weight gradients. Attention's score and value products are counted
-apart (performance.md). Knows nothing of the engine or of baselines.
+activation gradients, no base weight gradients. In an MoE layer a token passes the router and its top-k
+experts only, so N counts those (the active parameters), not all E experts. Attention's score and value
+products are counted apart (performance.md). Knows nothing of the engine or of baselines.
 
 Shapes: N query heads, H head dim, L sequence length.
 """
@@ -20,11 +21,17 @@ _MATMUL_REPS = {"cpu": 4, "cuda": 20}
 
 
 def matmul_params(config: DecoderConfig) -> int:
-    """N: weights of the projections, MLP and lm_head a token passes through (embeddings excluded)."""
+    """N: weights of the projections, MLP (router and picked experts in MoE layers) and lm_head a token
+    passes through (embeddings excluded)."""
     D, F, H = config.hidden_size, config.intermediate_size, config.head_dim
     attn_width, kv_width = config.num_attention_heads * H, config.num_key_value_heads * H
-    per_layer = D * attn_width + 2 * D * kv_width + attn_width * D + 3 * D * F
-    return config.num_hidden_layers * per_layer + D * config.vocab_size
+    attention = D * attn_width + 2 * D * kv_width + attn_width * D
+    dense_mlp = 3 * D * F
+    sparse_mlp = D * config.num_experts + config.num_experts_per_tok * 3 * D * config.moe_intermediate_size
+    mlp = sum(
+        sparse_mlp if config.is_moe_layer(layer) else dense_mlp for layer in range(config.num_hidden_layers)
+    )
+    return config.num_hidden_layers * attention + mlp + D * config.vocab_size
 
 
 def train_flops_per_token(config: DecoderConfig) -> float:

@@ -21,6 +21,7 @@ from loraplex.engine.types import DatumInput, PassRequest
 from loraplex.errors import UserError
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
+from loraplex.model.hf_checkpoint import to_hf_layout
 
 _INIT_STD = 0.02  # HF's initializer_range
 _SEED = 0
@@ -50,7 +51,8 @@ def prepare_model_dir(model: str, scratch: Path, dtype: torch.dtype, device: tor
 def _random_weights(
     config: DecoderConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """HF-named CPU weights from one seeded generator on `device`: norms at one, the rest N(0, 0.02²)."""
+    """HF-named CPU weights from one seeded generator on `device`: norms at one, the rest N(0, 0.02²);
+    MoE experts one tensor per expert, as HF stores them."""
     shapes = {name: t.shape for name, t in Decoder(config, device="meta").state_dict().items()}
     if config.tie_word_embeddings:
         del shapes["lm_head.weight"]  # stored once, as the embedding
@@ -61,7 +63,8 @@ def _random_weights(
             weights[name] = torch.ones(shapes[name], dtype=dtype)
         else:
             drawn = torch.empty(shapes[name], dtype=dtype, device=device)
-            weights[name] = drawn.normal_(0.0, _INIT_STD, generator=generator).cpu()
+            # Split into HF's layout tensor by tensor, so the stacked and split copies never all coexist.
+            weights |= to_hf_layout({name: drawn.normal_(0.0, _INIT_STD, generator=generator).cpu()})
     return weights
 
 

@@ -2,9 +2,11 @@
 
 A slot stores one A (R, in) and B (out, R) per targeted linear layer at its own rank (never padded),
 named as PEFT names them (`<module path>.lora_A.weight` / `.lora_B.weight`), and attaches them by
-reference to the decoder's `MultiLoRALinear` layers. The named tensors are views into the slot's flat
-optimizer buffers (`AdamSlot`), so the fused step sees one buffer per kind per slot. Freeing a slot
-detaches and drops everything. No HTTP, no SQL; knows nothing of runs or tenants.
+reference to the decoder's `MultiLoRALinear` layers; on an MoE layer's expert projection (an
+`ExpertLinear`) A is (E·R, in) and B (out, E·R), one rank block per expert, named by that projection's
+path (`<layer>.mlp.experts.gate_proj`; snapshots map it to PEFT's layout). The named tensors are views
+into the slot's flat optimizer buffers (`AdamSlot`), so the fused step sees one buffer per kind per
+slot. Freeing a slot detaches and drops everything. No HTTP, no SQL; knows nothing of runs or tenants.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from loraplex.engine.optimizer import AdamSlot, step_slots
 from loraplex.engine.types import AdamParams, LoraConfig
 from loraplex.errors import CapacityError, NotFoundError, UserError
 from loraplex.model.decoder import Decoder
-from loraplex.model.multi_lora import MultiLoRALinear, init_slot_weights
+from loraplex.model.multi_lora import LoRATarget, init_slot_weights
 
 # LoraConfig flag -> the `Decoder.lora_targets()` group it switches on.
 TARGET_GROUPS = {"train_attn": "attn", "train_mlp": "mlp", "train_unembed": "unembed"}
@@ -48,7 +50,7 @@ class Slot:
     """
 
     config: LoraConfig
-    weights: dict[str, Tensor]  # "<path>.lora_A.weight" (R, in) and "<path>.lora_B.weight" (out, R), fp32
+    weights: dict[str, Tensor]  # "<path>.lora_A.weight" (R, in), "<path>.lora_B.weight" (out, R); fp32
     adam: AdamSlot
 
     @property
@@ -96,7 +98,7 @@ class SlotPool:
     """Up to `max_slots` adapters of rank 1..`max_rank` attached to one decoder; ids 0..max_slots-1."""
 
     def __init__(self, decoder: Decoder, max_slots: int, max_rank: int) -> None:
-        self.targets: dict[str, tuple[MultiLoRALinear, str]] = decoder.lora_targets()
+        self.targets: dict[str, tuple[LoRATarget, str]] = decoder.lora_targets()
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.device = next(iter(self.targets.values()))[0].weight.device
@@ -121,8 +123,7 @@ class SlotPool:
         for path, (layer, group) in self.targets.items():
             if group in groups:
                 name_A, name_B = lora_names(path)
-                shapes[name_A] = (rank, layer.in_features)
-                shapes[name_B] = (layer.out_features, rank)
+                shapes[name_A], shapes[name_B] = layer.lora_shapes(rank)
         return shapes
 
     def create(self, config: LoraConfig) -> int:

@@ -1,10 +1,11 @@
 """Snapshots: immutable copies of a slot's weights in PEFT format, and the reader the sampler uses.
 
-A snapshot directory is what `peft.PeftModel.from_pretrained` (and vLLM) load:
+A snapshot directory is what `peft.PeftModel.from_pretrained` (and, for dense models, vLLM) load:
     adapter_model.safetensors  base_model.model.<module path>.lora_A.weight (R, in), .lora_B.weight (out, R)
     adapter_config.json        peft_type LORA, r, lora_alpha, target_modules (leaf names), base model, ...
-Written atomically like checkpoints, from the slot's values at save time, so later training never
-changes a snapshot. No HTTP, no SQL.
+MoE expert projections are stored as PEFT adapts transformers' fused expert parameters
+(`target_parameters`, model/peft_format.py says how). Written atomically like checkpoints, from the
+slot's values at save time, so later training never changes a snapshot. No HTTP, no SQL.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import safetensors.torch
 from torch import Tensor
 
 from loraplex.engine.checkpoints import write_directory_atomically
-from loraplex.engine.slots import SlotPool, lora_names
+from loraplex.engine.slots import SlotPool
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
+from loraplex.model.peft_format import from_peft, to_peft
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -38,7 +40,7 @@ class Snapshot:
     alpha: float
     target_modules: tuple[str, ...]  # leaf names, as in adapter_config.json
     base_model_name: str
-    pairs: dict[str, tuple[Tensor, Tensor]]  # module path -> (A_RI, B_OR), fp32 on CPU
+    pairs: dict[str, tuple[Tensor, Tensor]]  # slot target path -> (A_RI, B_OR) in slot layout, fp32 on CPU
 
     @property
     def scale(self) -> float:
@@ -57,15 +59,17 @@ def write_snapshot(
 ) -> int:
     """Write adapter weights (by PEFT name, as slots and checkpoints hold them) as a PEFT snapshot to
     `directory` atomically; return bytes written."""
-    tensors = {PEFT_PREFIX + name: t.detach().cpu() for name, t in weights.items()}
-    paths = [name.rsplit(".lora_", 1)[0] for name in weights]
+    peft_tensors, targets = to_peft(
+        {name: t.detach().cpu() for name, t in weights.items()}, config.rank, config.alpha
+    )
+    tensors = {PEFT_PREFIX + key: t for key, t in peft_tensors.items()}
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name,
         "r": config.rank,
         "lora_alpha": config.alpha,
-        "target_modules": sorted({path.rsplit(".", 1)[-1] for path in paths}),
+        **targets,
         "bias": "none",
         "fan_in_fan_out": False,
         "lora_dropout": 0.0,
@@ -95,18 +99,11 @@ def load_snapshot(directory: Path) -> Snapshot:
     unexpected = [k for k in tensors if not (k.startswith(PEFT_PREFIX) and k.endswith(_LORA_SUFFIXES))]
     if unexpected:
         raise UserError(f"{where}: unexpected tensors {sorted(unexpected)}")
-    pairs: dict[str, tuple[Tensor, Tensor]] = {}
-    for path in sorted({key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0] for key in tensors}):
-        name_A, name_B = (PEFT_PREFIX + name for name in lora_names(path))
-        if name_A not in tensors or name_B not in tensors:
-            raise UserError(f"{where}: {path} has only one of lora_A and lora_B")
-        A_RI, B_OR = tensors[name_A], tensors[name_B]
-        if A_RI.dim() != 2 or B_OR.dim() != 2 or A_RI.shape[0] != rank or B_OR.shape[1] != rank:
-            raise UserError(
-                f"{where}: {path} has lora_A {tuple(A_RI.shape)} and lora_B {tuple(B_OR.shape)}; "
-                f"expected (r, in) and (out, r) with r = {rank}"
-            )
-        pairs[path] = (A_RI.float(), B_OR.float())
+    try:
+        peft_pairs = from_peft({key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()}, rank)
+    except ValueError as error:
+        raise UserError(f"{where}: {error}") from None
+    pairs = {path: (A_RI.float(), B_OR.float()) for path, (A_RI, B_OR) in peft_pairs.items()}
     return Snapshot(
         rank=rank,
         alpha=float(config["lora_alpha"]),

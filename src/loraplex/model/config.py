@@ -1,7 +1,8 @@
-"""The decoder's configuration, read from an HF `config.json` dict (Llama 3, Qwen2/2.5, Qwen3 dense).
+"""The decoder's configuration, read from an HF `config.json` dict (Llama 3, Qwen2/2.5, Qwen3, Qwen3-MoE).
 
 Fields keep HF's names, so reading a config is a copy; what HF fixes per architecture rather than per
-config (Qwen2's q/k/v bias, Qwen3's q/k norm) comes from one table. Knows nothing of weights or files.
+config (Qwen2's q/k/v bias, Qwen3's q/k norm, which families route to experts) comes from one table.
+Knows nothing of weights or files.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class _Family:
     qk_norm: bool  # RMSNorm over each q and k head before rope
     qkv_bias: bool | None
     o_bias: bool | None
+    has_experts: bool = False  # reads the sparse-MoE fields (num_experts, ...) of its config
 
 
 # The only per-family knowledge in model/: everything else is read from config fields.
@@ -34,6 +36,16 @@ _FAMILIES: dict[str, _Family] = {
     "LlamaForCausalLM": _Family("llama", qk_norm=False, qkv_bias=None, o_bias=None),
     "Qwen2ForCausalLM": _Family("qwen2", qk_norm=False, qkv_bias=True, o_bias=False),
     "Qwen3ForCausalLM": _Family("qwen3", qk_norm=True, qkv_bias=None, o_bias=None),
+    "Qwen3MoeForCausalLM": _Family("qwen3_moe", qk_norm=True, qkv_bias=None, o_bias=None, has_experts=True),
+}
+# HF's Qwen3MoeConfig defaults, for the MoE fields a config.json leaves out.
+_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 
@@ -42,7 +54,7 @@ class DecoderConfig:
     """Shape and numerics of one decoder; see `from_hf` for how HF fields map here."""
 
     # --- identity ---
-    model_type: str  # "llama", "qwen2" or "qwen3"
+    model_type: str  # "llama", "qwen2", "qwen3" or "qwen3_moe"
     # --- shapes ---
     vocab_size: int
     hidden_size: int
@@ -62,6 +74,21 @@ class DecoderConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # None = plain rope; else {"rope_type": "llama3", factor, ...}
+    # --- sparse MoE (Qwen3-MoE); num_experts 0 = every layer has the dense MLP ---
+    num_experts: int = 0  # E, routed experts per MoE layer
+    num_experts_per_tok: int = 0  # k, experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to one
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 (and not in mlp_only_layers)
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep the dense MLP (width intermediate_size)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` routes tokens to experts (HF's Qwen3MoeDecoderLayer rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
@@ -97,6 +124,7 @@ class DecoderConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            **_read_moe(hf, family),
         )
 
 
@@ -130,6 +158,30 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if missing:
         raise ModelLoadError(f"rope_scaling of type llama3 lacks {missing}")
     return rope_theta, {"rope_type": rope_type, **{key: params[key] for key in _LLAMA3_ROPE_KEYS}}
+
+
+def _read_moe(hf: dict[str, Any], family: _Family) -> dict[str, Any]:
+    """The sparse-MoE fields of an expert family's config (HF defaults where absent); none for dense ones."""
+    if not family.has_experts:
+        return {}
+    moe = {key: hf.get(key, default) for key, default in _MOE_DEFAULTS.items()}
+    # transformers 5 writes num_experts under the name it maps it to (num_local_experts).
+    moe["num_experts"] = int(hf.get("num_experts", hf.get("num_local_experts", moe["num_experts"])))
+    num_experts, top_k = moe["num_experts"], int(moe["num_experts_per_tok"])
+    if num_experts == 0:  # HF builds every layer dense then
+        return {}
+    if not 1 <= top_k <= num_experts:
+        raise ModelLoadError(f"num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}")
+    if int(moe["decoder_sparse_step"]) < 1:
+        raise ModelLoadError(f"decoder_sparse_step={moe['decoder_sparse_step']} must be at least 1")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(moe["moe_intermediate_size"]),
+        "norm_topk_prob": bool(moe["norm_topk_prob"]),
+        "decoder_sparse_step": int(moe["decoder_sparse_step"]),
+        "mlp_only_layers": tuple(int(layer) for layer in moe["mlp_only_layers"] or ()),
+    }
 
 
 def _required(hf: dict[str, Any], key: str) -> int:

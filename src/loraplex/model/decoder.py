@@ -1,21 +1,25 @@
-"""One decoder for the Llama 3, Qwen2/2.5 and Qwen3 dense families, run over a packed token batch.
+"""One decoder for the Llama 3, Qwen2/2.5, Qwen3 and Qwen3-MoE families, run over a packed token batch.
 
 What differs per family (each a DecoderConfig field, never a branch on the family's name):
 - q/k/v bias: Qwen2 always, without an o_proj bias; Llama and Qwen3 on all four when `attention_bias`.
-- q/k RMSNorm over each head before rope: Qwen3 (`qk_norm`).
+- q/k RMSNorm over each head before rope: Qwen3 and Qwen3-MoE (`qk_norm`).
 - head_dim may differ from hidden_size / num_attention_heads: Qwen3.
 - rope: Llama 3.1+ rescales low frequencies (`rope_scaling` of type llama3); Qwen uses plain rope.
 - MLP bias: Llama when `mlp_bias`.
+- sparse MoE MLP (router + experts, moe.py) in the layers `is_moe_layer` names: Qwen3-MoE.
 - lm_head tied to embed_tokens: any family, when `tie_word_embeddings`.
 Shared: pre-norm RMSNorm blocks, grouped-query attention, SwiGLU MLP, rope in HF's half-split layout.
 
 Module names follow HF's (`model.layers.0.self_attn.q_proj`, `lm_head`), so checkpoint keys and PEFT
-module paths are our own names. The base is frozen; LoRA slots attach to the MultiLoRALinear layers.
+module paths are our own names; the one exception is an MoE layer's experts, stacked per projection
+(`mlp.experts.gate_proj` holds every expert's gate_proj; hf_checkpoint.py maps HF's per-expert keys).
+The base is frozen; LoRA slots attach to the MultiLoRALinear and ExpertLinear layers.
 Two forwards share every block: `forward` over a packed batch of whole sequences, and `forward_cached`
 over new tokens that extend sequences held in a KV cache (prefill, then one token per decode step).
 Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
 
-Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab.
+Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab,
+L MoE layers, E experts.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ from torch import Tensor, nn
 from loraplex.model.attention import RotaryEmbedding, apply_rope, packed_attention
 from loraplex.model.config import DecoderConfig
 from loraplex.model.kv_cache import CacheStep
-from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear
+from loraplex.model.moe import ExpertLinear, SparseMoE
+from loraplex.model.multi_lora import LoRARouting, LoRATarget, MultiLoRALinear
 from loraplex.model.packing import PackedSequences
 
 Device = torch.device | str | None
 # attend(q_TNH, k_TKH, v_TKH) -> out_TNH: one layer's attention between projections, bound per forward.
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
-# PEFT target name -> the `train_*` group of a slot that trains it.
+# PEFT target name -> the `train_*` group of a slot that trains it (an MoE layer's expert projections too).
 LORA_GROUPS = {
     "q_proj": "attn",
     "k_proj": "attn",
@@ -109,14 +114,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is sparse in MoE layers."""
 
-    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: DecoderConfig, layer: int, device: Device, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.self_attn = Attention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = MLP(config, device, dtype)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, device, dtype) if config.is_moe_layer(layer) else MLP(config, device, dtype)
+        )
 
     def forward(
         self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
@@ -143,7 +150,7 @@ class Decoder(nn.Module):
                     nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
                 ),
                 "layers": nn.ModuleList(
-                    Block(config, device, dtype) for _ in range(config.num_hidden_layers)
+                    Block(config, layer, device, dtype) for layer in range(config.num_hidden_layers)
                 ),
                 "norm": RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype),
             }
@@ -197,10 +204,19 @@ class Decoder(nn.Module):
         """Full (T, V) logits in one go, for tests and small batches; the engine chunks `lm_head` itself."""
         return self.lm_head(self.forward(tokens_T, packing, routing), routing)
 
-    def lora_targets(self) -> dict[str, tuple[MultiLoRALinear, str]]:
-        """PEFT module path -> (layer, group in {"attn", "mlp", "unembed"}), layers in forward order."""
+    def lora_targets(self) -> dict[str, tuple[LoRATarget, str]]:
+        """Module path -> (layer, group in {"attn", "mlp", "unembed"}), layers in forward order; the path
+        is PEFT's module path except on expert projections (peft_format.py maps those)."""
         return {
             name: (module, LORA_GROUPS[name.rsplit(".", 1)[-1]])
             for name, module in self.named_modules()
-            if isinstance(module, MultiLoRALinear)
+            if isinstance(module, MultiLoRALinear | ExpertLinear)
         }
+
+    def expert_load(self) -> Tensor | None:
+        """(L, E) rows each MoE layer routed to each expert in the last forward (tokens × experts per
+        token in all); None for a dense model or before the first forward."""
+        loads = [block.mlp.load_E for block in self.model.layers if isinstance(block.mlp, SparseMoE)]
+        if not loads or any(load is None for load in loads):
+            return None
+        return torch.stack(loads)  # type: ignore[arg-type]  # checked above

@@ -1,9 +1,12 @@
 """Reading a local HF model directory into a Decoder: config.json plus one or many safetensors files.
 
-The Decoder's module names are HF's for all three families, so the HF -> native name map is the
-identity and one loop over `Decoder.state_dict()` serves them all. Every key is checked before any
-tensor is read: a shape mismatch names the key and both shapes; missing and unexpected keys are listed.
-Also the digest that identifies a base model's weights.
+The Decoder's module names are HF's, so most keys map to themselves; the exception is a table of HF's
+layouts of MoE experts (`_LAYOUTS`): one (F, D) tensor per expert and projection as `save_pretrained`
+and the hub write them, or transformers' fused in-memory (E, 2F, D) gate_up_proj and (E, D, F)
+down_proj, each filling our one stacked (E, O, I) tensor per projection. One loop applies the table.
+Every key is checked before any tensor is read: a shape mismatch names the key and both shapes;
+missing and unexpected keys are listed. Also the digest that identifies a base model's weights, and
+`to_hf_layout`, which lays out a Decoder's state the way HF checkpoints store it.
 Knows nothing of slots, runs or the engine; writes nothing to disk.
 """
 
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -25,6 +31,39 @@ _SHARD_INDEX = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # A tied checkpoint may still carry lm_head.weight; accepted only if it equals the embedding it aliases.
 _TIED_ALIAS, _TIED_TARGET = "lm_head.weight", "model.embed_tokens.weight"
+
+
+class _Piece(NamedTuple):
+    """Where a file tensor, or a slice of it, goes in the Decoder."""
+
+    key: str  # the Decoder's state_dict key
+    expert: int | None  # the row of a stacked expert tensor it fills; None = the whole tensor
+    columns: slice | None  # the part of the file tensor's dim 1 it takes; None = all of it
+
+
+# A stacked expert tensor of the Decoder: every expert's weight of one projection, (E, O, I).
+_STACKED = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+# HF file key pattern -> the pieces it fills, given the match and the file tensor's dim 1. Keys that match
+# no pattern are the Decoder's own.
+_LAYOUTS: tuple[tuple[re.Pattern[str], Callable[[re.Match[str], int], list[_Piece]]], ...] = (
+    (  # save_pretrained and the hub: one tensor per expert and projection
+        re.compile(
+            r"(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+        ),
+        lambda m, width: [_Piece(f"{m['experts']}.{m['proj']}.weight", int(m["index"]), None)],
+    ),
+    (  # transformers' fused layout: gate rows first, then up rows
+        re.compile(r"(?P<experts>.+\.mlp\.experts)\.gate_up_proj"),
+        lambda m, width: [
+            _Piece(f"{m['experts']}.gate_proj.weight", None, slice(0, width // 2)),
+            _Piece(f"{m['experts']}.up_proj.weight", None, slice(width // 2, width)),
+        ],
+    ),
+    (
+        re.compile(r"(?P<experts>.+\.mlp\.experts)\.down_proj"),
+        lambda m, width: [_Piece(f"{m['experts']}.down_proj.weight", None, None)],
+    ),
+)
 
 
 def read_config(model_dir: Path | str) -> DecoderConfig:
@@ -49,11 +88,27 @@ def load_decoder(
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                    if key in tensors:
-                        tensors[key].copy_(f.get_tensor(key))
+                    file_shape = tuple(f.get_slice(key).get_shape())
+                    for piece in _pieces(key, file_shape):
+                        if piece.key in tensors:
+                            _target(tensors[piece.key], piece).copy_(_source(f.get_tensor(key), piece))
         if has_tied_alias:
             _check_tied_alias(files, tensors[_TIED_TARGET])
     return decoder
+
+
+def to_hf_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Decoder state_dict as HF checkpoints store it: stacked experts split into one tensor per expert."""
+    hf_state = {}
+    for key, tensor in state.items():
+        stacked = _STACKED.fullmatch(key)
+        if stacked is None:
+            hf_state[key] = tensor
+            continue
+        for expert, weight in enumerate(tensor.unbind(0)):
+            # clone: safetensors refuses tensors that share storage.
+            hf_state[f"{stacked['experts']}.{expert}.{stacked['proj']}.weight"] = weight.clone()
+    return hf_state
 
 
 def base_model_digest(model_dir: Path | str) -> str:
@@ -85,9 +140,28 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _pieces(key: str, file_shape: tuple[int, ...]) -> list[_Piece]:
+    """The Decoder tensors (or rows, or parts) a file tensor fills, by `_LAYOUTS`; else its own key."""
+    for pattern, pieces in _LAYOUTS:
+        match = pattern.fullmatch(key)
+        if match is not None:
+            return pieces(match, file_shape[1] if len(file_shape) > 1 else 0)
+    return [_Piece(key, None, None)]
+
+
+def _target(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The part of a Decoder tensor a piece fills."""
+    return tensor if piece.expert is None else tensor[piece.expert]
+
+
+def _source(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """The part of a file tensor a piece takes."""
+    return tensor if piece.columns is None else tensor[:, piece.columns]
+
+
 def _check_keys_and_shapes(files: list[Path], expected: dict[str, torch.Tensor], is_tied: bool) -> bool:
     """Raise listing every missing, unexpected or misshapen key; return whether a tied lm_head is stored."""
-    found: set[str] = set()
+    filled: dict[str, set[int | None]] = {}  # Decoder key -> expert rows filled (None: all of it)
     unexpected: list[str] = []
     mismatched: list[str] = []
     has_tied_alias = False
@@ -96,20 +170,22 @@ def _check_keys_and_shapes(files: list[Path], expected: dict[str, torch.Tensor],
             for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                 if key.endswith(_IGNORED_SUFFIXES):
                     continue
-                if is_tied and key == _TIED_ALIAS:
-                    has_tied_alias = True
-                    key_in_model = _TIED_TARGET
-                elif key in expected:
-                    key_in_model = key
-                    found.add(key)
-                else:
+                file_shape = tuple(f.get_slice(key).get_shape())
+                is_alias = is_tied and key == _TIED_ALIAS
+                has_tied_alias |= is_alias
+                pieces = [_Piece(_TIED_TARGET, None, None)] if is_alias else _pieces(key, file_shape)
+                if not all(_fits_model(piece, expected) for piece in pieces):
                     unexpected.append(key)
                     continue
-                file_shape = tuple(f.get_slice(key).get_shape())
-                model_shape = tuple(expected[key_in_model].shape)
-                if file_shape != model_shape:
-                    mismatched.append(f"{key}: checkpoint {file_shape} vs model {model_shape}")
-    missing = sorted(set(expected) - found)
+                for piece in pieces:
+                    if not is_alias:  # the alias is checked against the embedding, it does not fill it
+                        filled.setdefault(piece.key, set()).add(piece.expert)
+                    model_shape = tuple(_target(expected[piece.key], piece).shape)
+                    shape = _part_shape(file_shape, piece)
+                    if shape != model_shape:
+                        mismatched.append(f"{key}: checkpoint {shape} vs model {model_shape}")
+    missing = [_describe_missing(key, filled.get(key, set()), expected[key]) for key in sorted(expected)]
+    missing = [description for description in missing if description]
     problems = [
         *(["shape mismatch: " + "; ".join(mismatched)] if mismatched else []),
         *([f"missing keys: {missing}"] if missing else []),
@@ -120,6 +196,33 @@ def _check_keys_and_shapes(files: list[Path], expected: dict[str, torch.Tensor],
             f"checkpoint in {files[0].parent} does not fit its config: " + " | ".join(problems)
         )
     return has_tied_alias
+
+
+def _fits_model(piece: _Piece, expected: dict[str, torch.Tensor]) -> bool:
+    """Whether a piece names a Decoder tensor (and, for one expert's weight, an expert it has)."""
+    tensor = expected.get(piece.key)
+    return tensor is not None and (piece.expert is None or 0 <= piece.expert < tensor.shape[0])
+
+
+def _part_shape(file_shape: tuple[int, ...], piece: _Piece) -> tuple[int, ...]:
+    """The shape of the part of a file tensor a piece takes."""
+    if piece.columns is None:
+        return file_shape
+    return (file_shape[0], len(range(file_shape[1])[piece.columns]), *file_shape[2:])
+
+
+def _describe_missing(key: str, filled: set[int | None], tensor: torch.Tensor) -> str | None:
+    """None if a Decoder tensor is wholly filled; else what is missing, named as HF names it."""
+    if None in filled:
+        return None
+    stacked = _STACKED.fullmatch(key)
+    if stacked is None:
+        return key
+    absent = sorted(set(range(tensor.shape[0])) - filled)
+    if not absent:
+        return None
+    experts = f"0..{absent[-1]}" if len(absent) == tensor.shape[0] else str(absent)
+    return f"{stacked['experts']}.N.{stacked['proj']}.weight for N in {experts}"
 
 
 def _check_tied_alias(files: list[Path], embedding: torch.Tensor) -> None:

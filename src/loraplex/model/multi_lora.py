@@ -18,10 +18,19 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
+
+
+class TokenSlots(NamedTuple):
+    """Which slot each packed token uses, as indices into the distinct slots of a routing."""
+
+    slots: tuple[int, ...]  # distinct slots, in order of first appearance (None = base only is left out)
+    num_tokens: tuple[int, ...]  # tokens of each of them
+    index_T: Tensor  # (T,) int64 index into `slots`, -1 for base-only tokens
 
 
 class Segment(NamedTuple):
@@ -70,6 +79,23 @@ class LoRARouting:
         """T, the number of tokens routed."""
         return self.segments[-1].end if self.segments else 0
 
+    def token_slots(self, device: torch.device) -> TokenSlots:
+        """Each token's slot as a tensor on `device`, built once per routing and device (MoE layers group
+        their tokens by slot with it, so every layer of a forward shares it)."""
+        cached = self._token_slots.get(device)
+        if cached is None:
+            slots = tuple(dict.fromkeys(s.slot for s in self.segments if s.slot is not None))
+            lengths = torch.tensor([s.end - s.start for s in self.segments], dtype=torch.int64)
+            indices = torch.tensor([-1 if s.slot is None else slots.index(s.slot) for s in self.segments])
+            counts = [sum(s.end - s.start for s in self.segments if s.slot == slot) for slot in slots]
+            index_T = indices.repeat_interleave(lengths).to(device)
+            cached = self._token_slots[device] = TokenSlots(slots, tuple(counts), index_T)
+        return cached
+
+    @cached_property
+    def _token_slots(self) -> dict[torch.device, TokenSlots]:
+        return {}
+
     def slice(self, start: int, end: int) -> LoRARouting:
         """The routing of tokens [start, end), renumbered from 0 (for the lm_head's token chunks)."""
         if not 0 <= start <= end <= self.num_tokens:
@@ -84,7 +110,8 @@ class LoRARouting:
 
 
 class SlotWeights(NamedTuple):
-    """One slot's adapter on one layer: fp32 A (R, I) and B (O, R), owned by the slot pool."""
+    """One slot's adapter on one layer: fp32 A (R, I) and B (O, R), owned by the slot pool (on an expert
+    layer R counts every expert's rank block, see moe.py)."""
 
     A_RI: Tensor
     B_OR: Tensor
@@ -371,6 +398,10 @@ class MultiLoRALinear(nn.Module):
         """Whether `slot` is attached to this layer."""
         return slot in self._slots
 
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes of a rank-`rank` slot's A and B on this layer."""
+        return (rank, self.in_features), (self.out_features, rank)
+
     def forward(self, x_TI: Tensor, routing: LoRARouting | None = None) -> Tensor:
         """Base projection of every token once, plus each routed segment's slot delta."""
         y_TO = nn.functional.linear(x_TI, self.weight, self.bias)
@@ -385,6 +416,23 @@ class MultiLoRALinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, slots={sorted(self._slots)}"
         )
+
+
+class LoRATarget(Protocol):
+    """What the slot pool and the snapshot cache need of a layer that slots attach to (MultiLoRALinear,
+    moe.ExpertLinear): a frozen `weight`, its feature sizes, the slot tensors' shapes, attach / detach."""
+
+    in_features: int
+    out_features: int
+    weight: Tensor
+
+    def lora_shapes(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]: ...
+
+    def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None: ...
+
+    def detach(self, slot: int) -> None: ...
+
+    def has_slot(self, slot: int) -> bool: ...
 
 
 def init_lora_pair(
@@ -402,17 +450,19 @@ def init_lora_pair(
 
 
 def init_slot_weights(
-    targets: Mapping[str, tuple[MultiLoRALinear, str]], rank: int, seed: int, groups: set[str]
+    targets: Mapping[str, tuple[LoRATarget, str]], rank: int, seed: int, groups: set[str]
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """A new slot's initial (A, B) per target whose group is in `groups`, keyed like `targets`.
 
     One CPU generator seeded with `seed` draws A for every target in `targets` order, kept or not, so a
-    target's initial A depends only on (seed, rank, model), never on which groups the slot trains.
+    target's initial A depends only on (seed, rank, model), never on which groups the slot trains. An
+    expert layer's A stacks one rank block per expert, each drawn like a linear layer's A.
     """
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, (layer, group) in targets.items():
-        pair = init_lora_pair(layer.in_features, layer.out_features, rank, generator)
+        (rows, _), _ = layer.lora_shapes(rank)
+        pair = init_lora_pair(layer.in_features, layer.out_features, rows, generator)
         if group in groups:
             weights[name] = pair
     return weights
