@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training throughput on one GPU: `loraplex bench train` on a random-init Qwen3-4B-shaped model in bf16,
 # SLOTS x TOKENS_PER_SLOT tokens per step (16 x 1024 = 16384 by default), then MFU at 4N against the
-# device's dense bf16 peak (performance.md: H200 989 TFLOP/s; target >= 40%, stretch 50%).
+# device's dense bf16 peak (docs/BENCHMARKS.md: H200 989 TFLOP/s; target >= 40%, stretch 50%).
 #
 # Usage, from anywhere: bench/gpu.sh [more `bench train` flags, e.g. --seq-len 512]
 # Environment (defaults): MODEL (qwen3-4b-shape), DEVICE (cuda), SLOTS (16), TOKENS_PER_SLOT (1024),

@@ -2,7 +2,7 @@
 # bench/gpu.sh on a random-init Qwen3-30B-A3B-shaped MoE (its layer shape: 128 experts, top 8, hidden
 # 2048, expert width 768; 24 of its 48 layers, see the preset in src/loraplex/bench/presets.py), bf16,
 # LoRA on attention, every expert and lm_head. MFU is at 4N with N the parameters a token passes (router
-# and its 8 experts, not all 128), as performance.md counts it.
+# and its 8 experts, not all 128), as docs/BENCHMARKS.md counts it.
 #
 # Usage, from anywhere: bench/gpu_moe.sh [more `bench train` flags]; every bench/gpu.sh variable works.
 # Defaults: SLOTS=4, TOKENS_PER_SLOT=2048 (8192 tokens per step), RANK=8.

@@ -7,7 +7,7 @@ main thread and 73-85 us on a second one, longer than on one thread alone (58 us
 large ops moved within this host's noise either way. With `OMP_NUM_THREADS=1` every ratio is ~1. A
 fixed ~40 us more per parallel region looks like waking a sleeping OpenMP worker each time instead of
 handing work to a spinning one. This is why `loraplex serve` runs its engine on the main thread
-(EngineWorker.run).
+(EngineLoop.run).
 
 Usage (repo root): .venv/bin/python bench/second_thread.py [--rounds 3]
 """

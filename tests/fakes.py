@@ -2,7 +2,7 @@
 
 The "model" is a bigram table: the logits for position t depend only on tokens[t], as
 base[tokens[t]] + (A @ B)[tokens[t]], with a real LoRA pair per slot (A seeded, B zero) trained by
-AdamW. Losses: cross_entropy, importance_sampling, ppo (losses.md). Deterministic, so two runs fed
+AdamW. Losses: cross_entropy, importance_sampling, ppo (docs/LOSSES.md). Deterministic, so two runs fed
 the same requests give bit-identical results, and it learns, so loss curves mean something.
 """
 
@@ -301,7 +301,7 @@ def _write(directory: Path, slot: _Slot, owner: str, arrays: dict[str, np.ndarra
 def _loss(
     name: str, lp: np.ndarray, inputs: dict[str, np.ndarray], config: dict[str, float]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token loss and its gradient with respect to lp (losses.md)."""
+    """Per-token loss and its gradient with respect to lp (docs/LOSSES.md)."""
     if name == "cross_entropy":
         w = inputs.get("weights", np.ones_like(lp)).astype(np.float64)
         return -w * lp, -w

@@ -1,4 +1,4 @@
-"""Imports only point down the layers: api -> runtime -> engine -> model (DESIGN.md §1)."""
+"""Imports only point down the layers: api -> runtime -> engine -> model (docs/ARCHITECTURE.md)."""
 
 import ast
 import sys

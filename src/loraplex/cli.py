@@ -10,6 +10,8 @@ run it (`serve`, `engine-worker`).
 from __future__ import annotations
 
 import argparse
+import fcntl
+import ipaddress
 import logging
 import os
 import signal
@@ -18,7 +20,10 @@ import threading
 import types
 import typing
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import pydantic
 
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
     from loraplex.engine.distributed.group import RankEnv
     from loraplex.engine.distributed.launch import LocalRanks
     from loraplex.engine.local import LocalEngine
+    from loraplex.engine.sampler.validation import SamplingLimits
 
 log = logging.getLogger("loraplex")
 
@@ -42,6 +48,8 @@ def _config_options(parser: argparse.ArgumentParser, only: Sequence[str] | None 
         kwargs: dict[str, Any] = {"default": None, "help": f"{field.description} (default: {field.default})"}
         if typing.get_origin(kind) is typing.Literal:
             kwargs["choices"] = typing.get_args(kind)
+        elif kind is bool:  # a switch: given means True
+            kwargs["action"] = "store_true"
         else:
             kwargs["type"] = kind
         parser.add_argument(f"--{name.replace('_', '-')}", dest=name, **kwargs)
@@ -57,9 +65,11 @@ def config_to_args(config: ServerConfig, only: Sequence[str]) -> list[str]:
     """The command-line options that give `config`'s `only` fields their values (None fields omitted)."""
     args = []
     for name in only:
-        value = getattr(config, name)
-        if value is not None:
-            args += [f"--{name.replace('_', '-')}", str(value)]
+        value, option = getattr(config, name), f"--{name.replace('_', '-')}"
+        if value is True:
+            args.append(option)
+        elif value is not None and value is not False:
+            args += [option, str(value)]
     return args
 
 
@@ -72,6 +82,7 @@ def _add_serve(subparsers: Any) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    check_exposure(config)
     if config.nproc > 1:
         from loraplex.engine.distributed.group import RankEnv, rank_device
         from loraplex.engine.distributed.launch import LocalRanks
@@ -85,12 +96,47 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_exposure(config: ServerConfig) -> None:
+    """Refuse --auth none on a host other than loopback unless the operator said so; log the choice."""
+    if config.auth != "none" or _is_loopback(config.host):
+        return
+    if not config.allow_unauthenticated_remote:
+        raise UserError(
+            f"--auth none on --host {config.host} would let anyone who can reach port {config.port} act as "
+            "this server's one tenant; use --auth keys (keys from `loraplex keys create`), serve on "
+            "127.0.0.1, or pass --allow-unauthenticated-remote to accept that"
+        )
+    log.warning(
+        "--auth none on %s (--allow-unauthenticated-remote): anyone who can reach port %d is the one tenant",
+        config.host,
+        config.port,
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address: only localhost is known to stay on this machine
+        return host == "localhost"
+
+
+def sampling_limits(config: ServerConfig) -> SamplingLimits:
+    """What `config` lets sampling use."""
+    from loraplex.engine.sampler.validation import SamplingLimits
+
+    return SamplingLimits(
+        max_topk_prompt_logprobs=config.max_topk_prompt_logprobs,
+        max_request_kv_bytes=config.max_sample_kv_mib << 20,
+        kv_budget_bytes=config.sample_kv_budget_mib << 20,
+    )
+
+
 def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
     """Builds the configured model's LocalEngine on the device it is given (heavy imports: only here)."""
     from loraplex.engine.local import build_local_engine
 
     def build(device: str) -> LocalEngine:
-        return build_local_engine(
+        engine = build_local_engine(
             config.model,
             config.data_dir,
             device,
@@ -99,6 +145,8 @@ def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
             config.model_name,
             config.pass_token_budget,
         )
+        engine.sampler.limits = sampling_limits(config)
+        return engine
 
     return build
 
@@ -135,6 +183,19 @@ def _serve_ranks(config: ServerConfig, env: RankEnv, local_ranks: LocalRanks | N
     return 0
 
 
+def hold_data_dir(data_dir: Path) -> IO[str]:
+    """Take the data dir's lock for this process's lifetime (released when the returned file closes or
+    the process ends, kill -9 included); UserError if another server holds it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(data_dir / "serve.lock", "a+")  # noqa: SIM115 (held open until the server stops)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise UserError(f"another loraplex server is running on --data-dir {data_dir}") from None
+    return lock
+
+
 def run_server(config: ServerConfig, engine: Any) -> None:
     """Serve `engine` with `config` until interrupted (also used by tests with a fake engine)."""
     import uvicorn
@@ -142,6 +203,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     from loraplex.api.app import create_app
     from loraplex.runtime.service import TrainingService
 
+    lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
     service = TrainingService.open(engine, config)
     info = engine.info
     log.info("model %s (%s) on device %s", info.model_name, config.model, info.device)
@@ -156,28 +218,38 @@ def run_server(config: ServerConfig, engine: Any) -> None:
         app, host=config.host, port=config.port, log_level="warning", http="httptools", loop="uvloop"
     )
     server = uvicorn.Server(http_config)
-    # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineWorker.run).
+    # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineLoop.run).
     # uvicorn installs no signal handlers off the main thread: SIGINT and SIGTERM stop the engine loop
     # after its current plan, then the HTTP server.
     http = threading.Thread(target=server.run, name="loraplex-http", daemon=True)
-    stop = service.worker.request_stop
+    stop = service.engine_loop.request_stop
     previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
     try:
-        service.worker.run(keep_running=http.is_alive)
+        service.engine_loop.run(keep_running=http.is_alive)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.should_exit = True
         http.join(timeout=30)
         service.stop()
+        lock.close()
     if not server.started:
         raise ServerError(f"the HTTP server did not start on {config.host}:{config.port} (see the log above)")
 
 
 # --- engine-worker
 # The ServerConfig fields a worker rank needs: what to load, where, and how long to wait on rank 0.
-_ENGINE_OPTIONS = ("model", "model_name", "device", "max_slots", "max_rank", "data_dir", "rank_timeout_s")
+_ENGINE_OPTIONS = (
+    "model",
+    "model_name",
+    "device",
+    "max_slots",
+    "max_rank",
+    "data_dir",
+    "rank_timeout_s",
+    "pass_token_budget",
+)
 
 
 def _add_engine_worker(subparsers: Any) -> None:
@@ -192,15 +264,16 @@ def _add_engine_worker(subparsers: Any) -> None:
 
 def _engine_worker(args: argparse.Namespace) -> int:
     from loraplex.engine.distributed.group import RankEnv
-    from loraplex.engine.distributed.worker import run_worker
+    from loraplex.engine.distributed.rank_loop import run_rank
 
     config = config_from_args(args)
     if config.nproc > 1:
         raise UserError("engine-worker takes its rank and world size from torchrun; --nproc is for serve")
     env = RankEnv.from_environ()
     if env.rank == 0:
+        check_exposure(config)
         return _serve_ranks(config, env, local_ranks=None)
-    return run_worker(env, _engine_builder(config), config.device, config.rank_timeout_s)
+    return run_rank(env, _engine_builder(config), config.device, config.rank_timeout_s)
 
 
 # --- keys
@@ -277,6 +350,9 @@ def _doctor(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if not config.data_dir.is_dir():
         raise UserError(f"--data-dir {config.data_dir} does not exist")
+    apply = getattr(args, "apply", False)
+    if apply:  # a running server sweeps on its own, sparing what its requests read; gc cannot see those
+        hold_data_dir(config.data_dir)
     layout = DiskLayout(config.data_dir)
     print(f"data dir {config.data_dir.resolve()}")
     for kind, (files, size) in sorted(layout.usage().items()):
@@ -286,7 +362,6 @@ def _doctor(args: argparse.Namespace) -> int:
         print(f"database {store.display_url}: {store.count_futures()} request results stored")
         policy = RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s)
         retention = Retention(store, layout, policy)
-        apply = getattr(args, "apply", False)
         removal = retention.sweep(utcnow()) if apply else retention.due(utcnow())
         paths = ", ".join(map(str, removal.checkpoints)) or "-"
         print("removed:" if apply else "retention would remove:")
@@ -343,6 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
+    except pydantic.ValidationError as exc:  # an option out of its range: a usage error, not a crash
+        problems = "; ".join(
+            f"--{'-'.join(str(p) for p in e['loc']).replace('_', '-')}: {e['msg']}" for e in exc.errors()
+        )
+        print(f"error: {problems}", file=sys.stderr)
+        return 2
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

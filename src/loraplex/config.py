@@ -52,6 +52,11 @@ class ServerConfig(BaseModel):
     auth: Literal["none", "keys"] = Field(
         "none", description="none: every key is the one local tenant; keys: only keys from `loraplex keys`."
     )
+    allow_unauthenticated_remote: bool = Field(
+        False,
+        description="Serve --auth none on a --host other than loopback, where anyone who can reach the port "
+        "acts as the one tenant; without it, serve refuses to start.",
+    )
 
     # --- storage
     data_dir: Path = Field(Path("./loraplex-data"), description="Checkpoints, snapshots and the SQLite file.")
@@ -65,6 +70,45 @@ class ServerConfig(BaseModel):
     max_tokens_per_request: int = Field(
         1_000_000, ge=1, description="Tokens in one forward_backward request."
     )
+
+    # --- admission limits (checked before anything is allocated for a request; a refusal names its limit)
+    max_target_width: int = Field(
+        128,
+        ge=1,
+        description="Widest K of 2-D (N, K) target_tokens and weights; top-K distillation needs K. Every "
+        "datum of a pass is padded to the pass's widest K.",
+    )
+    max_topk_prompt_logprobs: int = Field(
+        128,
+        ge=0,
+        description="Largest topk_prompt_logprobs of asample (its result holds prompt length × k ids and "
+        "logprobs); top-K distillation asks for K.",
+    )
+    max_sample_kv_mib: int = Field(
+        8192,
+        ge=1,
+        description="Most KV cache (MiB) one asample may need, (prompt + max_tokens) × num_samples × the "
+        "model's KV bytes per token; a larger request is refused.",
+    )
+    sample_kv_budget_mib: int = Field(
+        32768,
+        ge=1,
+        description="Most KV cache (MiB) all running samples may hold together, as the cache allocates it; "
+        "a request past it waits for running ones to finish (one request alone always runs).",
+    )
+    max_json_body_mib: int = Field(
+        8,
+        ge=1,
+        description="Largest JSON request body (MiB), e.g. an asample prompt at ~8 bytes per token. "
+        "forward(_backward) bodies may be as large as --max-tokens-per-datum and --max-target-width need.",
+    )
+    max_metadata_entries: int = Field(64, ge=0, description="Entries of one user_metadata.")
+    max_metadata_bytes: int = Field(
+        16384, ge=0, description="Bytes of one user_metadata, its keys and values as UTF-8 text."
+    )
+    max_stop_sequences: int = Field(32, ge=0, description="Items of one sampling_params.stop list.")
+    max_stop_chars: int = Field(256, ge=1, description="Characters of one stop string.")
+    max_name_bytes: int = Field(128, ge=1, description="Bytes (UTF-8) of a checkpoint or sampler name.")
 
     # --- scheduling and leases
     pass_token_budget: int = Field(
@@ -87,6 +131,12 @@ class ServerConfig(BaseModel):
         ge=0,
         description="With more runs than slots, how long a run waits for a slot before a run holding "
         "gradients not yet stepped is parked (gradients included) to make room for it.",
+    )
+    seq_gap_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Requests that waited this long behind a seq_id that never arrived (refused before it "
+        "could be read, e.g. too large) fail, so the run goes on (s).",
     )
     max_seq_ids_ahead: int = Field(
         1024,

@@ -11,18 +11,18 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from loraplex.api.codecs import (
     encode_forward_backward_output,
     encode_sample_response,
+    forward_backward_command,
     parse_forward_backward,
-    pass_command,
 )
 from loraplex.errors import UserError
-from loraplex.runtime.commands import Pass, PassResult
+from loraplex.runtime.commands import ForwardBackward, PassResult
 from loraplex.runtime.sampling import SampledSequence, SampleResult
 
 
-def decode_forward_backward(body: bytes) -> tuple[str, int, Pass]:
+def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackward]:
     """What the forward_backward route reads from a body: its run, its seq_id, then its command."""
     msg = parse_forward_backward(body)
-    return msg.model_id, msg.seq_id, pass_command(msg)
+    return msg.model_id, msg.seq_id, forward_backward_command(msg)
 
 
 def _sdk_bytes(datum: types.Datum, loss_fn: str = "ppo", config: dict | None = None) -> bytes:

@@ -47,7 +47,11 @@ def _submit_then_train(http: TestClient, run: str, path: str, **kwargs: object) 
         ("optim_step", {"adam_params": {"learning_rate": -1.0}}, r"learning_rate: Input should be greater"),
         ("save_weights", {"path": "x", "ttl_seconds": 60}, r"ttl_seconds: Input should be greater than or"),
         ("save_weights_for_sampler", {"path": "a/b"}, r"checkpoint name"),
-        ("save_weights_external", {"path": "x"}, r"save_weights_external .* is not supported by this server"),
+        (
+            "save_weights_external",
+            {"path": "x", "age_encryption_recipients": ["age1xyz"]},
+            r"save_weights_external with age_encryption_recipients is not supported by this server",
+        ),
         ("load_weights", {"path": "not-a-tinker-path"}, r"tinker://"),
     ],
 )
@@ -89,13 +93,8 @@ def test_a_body_that_names_no_run_or_seq_id_is_a_422_with_a_body(http: TestClien
 @pytest.mark.parametrize(
     ("method", "path", "feature"),
     [
-        ("PUT", "/training_runs/r/checkpoints/weights/w/ttl", "changing a checkpoint's TTL is not supported"),
-        (
-            "DELETE",
-            "/training_runs/r/checkpoints/weights/w/publish",
-            "publishing checkpoints is not supported",
-        ),
-        ("GET", "/sessions", "listing sessions is not supported"),
+        ("POST", "/sessions/search", "searching sessions is not supported"),
+        ("GET", "/sessions/s/trace_export", "session trace export is not supported"),
         ("GET", "/no/such/route", "GET /api/v1/no/such/route is not a route of this server"),
         ("GET", "/create_model", "GET /api/v1/create_model is not a route of this server"),
     ],

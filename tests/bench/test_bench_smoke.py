@@ -1,4 +1,4 @@
-"""`loraplex bench` runs end to end on a micro model and keeps its output contract (performance.md).
+"""`loraplex bench` runs end to end on a micro model and keeps its output contract (docs/BENCHMARKS.md).
 
 Smoke tests only: one round, the `smoke` preset, one thread. They check what the output says and the
 figures that do not depend on timing (FLOP counts, token counts, tensor counts); never a timing.

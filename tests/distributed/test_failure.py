@@ -63,7 +63,7 @@ def test_a_share_of_a_pass_that_raises_fails_that_pass_only(tmp_path, monkeypatc
         slot = ranks.engine.create_slot(LoraConfig(rank=4))
         request = sft_request(slot, [5, 9, 13], seed=0)
 
-        def out_of_memory(requests):
+        def out_of_memory(requests, keep_undo=False):
             raise RuntimeError("CUDA out of memory")
 
         with monkeypatch.context() as patch:

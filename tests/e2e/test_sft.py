@@ -45,7 +45,7 @@ def test_two_tenants_training_concurrently_with_different_losses_each_get_what_t
 def _ppo_loss(
     data: list[types.Datum], logprobs_list: list[torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO written client-side from losses.md, thresholds 0.9 / 1.1."""
+    """PPO written client-side from docs/LOSSES.md, thresholds 0.9 / 1.1."""
     total = torch.zeros(())
     for datum, lp in zip(data, logprobs_list, strict=True):
         q = torch.tensor(datum.loss_fn_inputs["logprobs"].to_numpy())

@@ -1,4 +1,4 @@
-"""The loss registry against losses.md: golden values, an independent per-token reference, validation."""
+"""The loss registry against docs/LOSSES.md: golden values, an independent per-token reference, validation."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _run(loss_fn: str, lp: torch.Tensor, datums: list[Inputs], config: dict | No
     return loss_T.detach(), metrics, lp.grad
 
 
-# --- golden values of losses.md, as literals ---------------------------------------------------------
+# --- golden values of docs/LOSSES.md, as literals ---------------------------------------------------------
 
 LN = math.log
 GOLDEN_LP = [LN(1 / 4), LN(1 / 2)]
@@ -71,7 +71,7 @@ def test_golden_values_of_losses_md(
 
 
 def _reference(loss_fn: str, lp_N: torch.Tensor, inputs: Inputs, config: dict) -> list[torch.Tensor]:
-    """ℓ_t for one datum, written token by token from losses.md (Python min/max, no masking tricks)."""
+    """ℓ_t for one datum, written token by token from docs/LOSSES.md (Python min/max, no masking tricks)."""
     n = len(inputs["target_tokens"])
     w = inputs.get("weights", np.ones(np.shape(inputs["target_tokens"])))
     if loss_fn == "cross_entropy":
@@ -541,7 +541,6 @@ def _datum_error(loss_fn: str, inputs: Inputs, n_tokens: int = 4, index: int = 3
             "datum 3: loss_fn_inputs clip_low_threshold / clip_high_threshold at position 2 are (1.3",
         ),
         ("cispo", _rl_inputs(clip_high_threshold=np.full(4, -1.0, np.float32)), 4, "expected 0 ≤ low ≤ high"),
-        ("ppo", _rl_inputs(n=0), 0, "datum 3: model_input is empty"),
     ],
 )
 def test_a_bad_datum_is_a_user_error_naming_datum_key_and_expectation(

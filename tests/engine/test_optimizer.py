@@ -1,4 +1,5 @@
-"""The fused multi-slot AdamW equals torch.optim.AdamW + clip_grad_norm_ run per slot (DESIGN.md §2)."""
+"""The fused multi-slot AdamW equals torch.optim.AdamW + clip_grad_norm_ run per slot (docs/WALKTHROUGH.md,
+optim_step)."""
 
 import math
 from dataclasses import replace

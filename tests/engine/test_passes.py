@@ -1,7 +1,7 @@
 """Fused passes against an unpacked reference: every loss, isolation, additivity, validation (issue #3).
 
 The reference runs one datum at a time through `Decoder.logits` (one sequence, one routing segment, the
-full [N × V] logits), takes `log_softmax` + gather, applies the per-token formula of losses.md written
+full [N × V] logits), takes `log_softmax` + gather, applies the per-token formula of docs/LOSSES.md written
 out here (never losses.py), and differentiates each datum's summed loss with autograd. The engine under
 test packs many requests of many slots and losses into one `run_pass`; per datum its logprobs,
 elementwise_loss, loss:sum and the slots' accumulated A/B gradients must equal the reference.
@@ -58,7 +58,7 @@ SLOT_CONFIGS = (
 LENGTHS = ((9, 4), (12, 7), (7, 10))
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 ALL_LOSSES = ("cross_entropy", *RL_LOSSES)
-# losses.md's defaults, as literals (not read from the registry under test).
+# docs/LOSSES.md's defaults, as literals (not read from the registry under test).
 DEFAULT_CONFIG: dict[str, dict[str, float]] = {
     "cross_entropy": {},
     "importance_sampling": {},
@@ -155,7 +155,7 @@ def ok(result: PassResult | UserError) -> PassResult:
     return result
 
 
-# --- the reference: one datum at a time, full logits, losses.md's formulas -------------------------
+# --- the reference: one datum at a time, full logits, docs/LOSSES.md's formulas -------------------------
 
 
 def reference_logprobs(decoder: Decoder, slot: int | None, tokens: np.ndarray, targets: np.ndarray) -> Tensor:
@@ -170,7 +170,7 @@ def reference_logprobs(decoder: Decoder, slot: int | None, tokens: np.ndarray, t
 def reference_token_loss(
     loss_fn: str, lp: Tensor, inputs: Mapping[str, np.ndarray], config: Mapping[str, float]
 ) -> Tensor:
-    """ℓ_t (N,) of one datum, straight from the table of losses.md."""
+    """ℓ_t (N,) of one datum, straight from the table of docs/LOSSES.md."""
     c = {**DEFAULT_CONFIG[loss_fn], **config}
     f32 = {key: torch.from_numpy(np.asarray(value, dtype=np.float32)) for key, value in inputs.items()}
     w = f32.get("weights", torch.ones_like(lp))
@@ -740,6 +740,9 @@ def _corrupt(request: PassRequest, kind: str) -> tuple[PassRequest, tuple[str, .
         return replace(request, loss_fn_config={"clip_epsilon": 0.2}), ("clip_epsilon",)
     elif kind == "empty_datum_list":
         return replace(request, datums=[]), ("at least one datum",)
+    elif kind == "empty_model_input":
+        tokens, inputs = tokens[:0], {k: v[:0] for k, v in inputs.items()}
+        names += ("model_input has 0 tokens; expected 1..",)
     else:
         raise AssertionError(kind)
     datums = [request.datums[0], DatumInput(tokens, inputs), *request.datums[2:]]
@@ -754,6 +757,7 @@ BAD_KINDS = (
     "missing_logprobs",
     "unknown_config_key",
     "empty_datum_list",
+    "empty_model_input",
 )
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from loraplex.config import ServerConfig
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
-from loraplex.runtime.commands import CreateRun, OptimStep, Pass
+from loraplex.runtime.commands import CreateRun, ForwardBackward, OptimStep
 from loraplex.runtime.futures import FutureRecord
 from loraplex.runtime.service import TrainingService
 from tests.fakes import FakeEngine
@@ -56,13 +56,13 @@ def result_of(service: TrainingService, record: FutureRecord, tenant: str = "loc
     return done
 
 
-def sft_pass(tokens: np.ndarray = PHRASE, forward_only: bool = False, weight: float = 1.0) -> Pass:
+def sft_pass(tokens: np.ndarray = PHRASE, forward_only: bool = False, weight: float = 1.0) -> ForwardBackward:
     """cross_entropy over one next-token datum."""
     inputs = {"target_tokens": tokens[1:], "weights": np.full(len(tokens) - 1, weight, np.float32)}
-    return Pass("cross_entropy", {}, [DatumInput(tokens[:-1], inputs)], forward_only)
+    return ForwardBackward("cross_entropy", {}, [DatumInput(tokens[:-1], inputs)], forward_only)
 
 
-def rl_pass(loss_fn: str, tokens: np.ndarray = PHRASE, **config: float) -> Pass:
+def rl_pass(loss_fn: str, tokens: np.ndarray = PHRASE, **config: float) -> ForwardBackward:
     """An RL-loss datum with fixed sampler logprobs and advantages."""
     n = len(tokens) - 1
     inputs = {
@@ -70,7 +70,7 @@ def rl_pass(loss_fn: str, tokens: np.ndarray = PHRASE, **config: float) -> Pass:
         "logprobs": np.full(n, -3.0, np.float32),
         "advantages": np.linspace(-1.0, 1.0, n).astype(np.float32),
     }
-    return Pass(loss_fn, dict(config), [DatumInput(tokens[:-1], inputs)], False)
+    return ForwardBackward(loss_fn, dict(config), [DatumInput(tokens[:-1], inputs)], False)
 
 
 def create_run(service: TrainingService, tenant: str = "local", seed: int = 1, rank: int = 4) -> str:

@@ -115,7 +115,7 @@ def test_after_a_restart_finished_results_remain_and_in_flight_requests_fail_as_
     done = before.submit("local", run, 1, sft_pass())
     loss = result_of(before, done).result.metrics["loss:sum"]
     path = _save(before, run, 2, "ckpt").result["path"]
-    before.worker.stop()  # the process "dies" with seq 3 queued
+    before.engine_loop.stop()  # the process "dies" with seq 3 queued
     in_flight = before.submit("local", run, 3, sft_pass())
     before.store.close()
 

@@ -142,14 +142,14 @@ def test_ten_thousand_idle_runs_are_not_planned_over(service_factory, tmp_path, 
     service = service_factory(subdir="data")
     assert len(service._runs) == 10_000  # all known (lost: their parked state is not on disk)
     planned: list[int] = []
-    plan = service.worker.scheduler.plan
+    plan = service.engine_loop.scheduler.plan
 
     def counting(runs, now):
         runs = list(runs)
         planned.append(len(runs))
         return plan(runs, now)
 
-    monkeypatch.setattr(service.worker.scheduler, "plan", counting)
+    monkeypatch.setattr(service.engine_loop.scheduler, "plan", counting)
     run = create_run(service)
     train_steps(service, run, 2)
     assert planned and max(planned) == 1  # the one run with work; the idle ones cost nothing

@@ -238,7 +238,7 @@ def test_after_a_restart_sample_results_remain_and_in_flight_samples_fail_as_ser
     done = result_of(before, before.sample("local", sampler, 0, _request(3, 6)))
     engine.stalled = True
     in_flight = before.sample("local", sampler, 1, _request())
-    before.worker.stop()
+    before.engine_loop.stop()
     before.store.close()
 
     after = service_factory()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 from loraplex.engine.types import AdamParams, DatumInput
-from loraplex.runtime.commands import OptimStep, Pass, SaveState
-from loraplex.runtime.run_queue import Entry, RunQueue, RunState
+from loraplex.runtime.commands import ForwardBackward, OptimStep, SaveState
+from loraplex.runtime.run_queue import PARKED, Entry, RunQueue, RunState
 from loraplex.runtime.scheduler import BarrierWork, Gathering, OptimWork, PassWork, Scheduler
 
 
-def _pass(tokens: int) -> Pass:
+def _pass(tokens: int) -> ForwardBackward:
     ids = np.zeros(tokens, np.int64)
-    return Pass("cross_entropy", {}, [DatumInput(ids, {"target_tokens": ids})], False)
+    return ForwardBackward("cross_entropy", {}, [DatumInput(ids, {"target_tokens": ids})], False)
 
 
 def _run(run_id: str, tenant: str, *commands: object) -> RunState:
@@ -165,3 +165,82 @@ def test_a_stream_of_passes_does_not_starve_another_runs_step_or_barrier() -> No
     scheduler = Scheduler(capacity=8, token_budget=4)  # one pass command per plan
     kinds = [[type(w).__name__ for w in scheduler.plan([busy, stepping], now=0.0).work] for _ in range(4)]
     assert kinds == [["PassWork"], ["OptimWork", "BarrierWork"], ["PassWork"], ["PassWork"]]
+
+
+# --- residency: which runs hold the engine's slots while the plan runs
+def _resident(run_id: str, *commands: object, pinned: bool = False, last_active: float = 0.0) -> RunState:
+    """A run holding a slot; pinned = it holds gradients not yet stepped."""
+    run = _run(run_id, "alice", *commands)
+    run.pending_gradients, run.last_active = pinned, last_active
+    return run
+
+
+def _waiter(run_id: str, at: float, *commands: object) -> RunState:
+    """A parked run whose commands (a pass unless given) arrived at time `at`."""
+    queue = RunQueue(next_seq_id=1)
+    for seq, command in enumerate(commands or (_pass(4),), start=1):
+        queue.add(Entry(seq, f"{run_id}-{seq}", command, at))  # type: ignore[arg-type]
+    return RunState(run_id, "bob", "s", "m", queue, status=PARKED)
+
+
+def _names(runs: list[RunState]) -> list[str]:
+    return [run.run_id for run in runs]
+
+
+def test_runs_without_a_slot_are_given_free_slots_oldest_first() -> None:
+    late, early, middle = _waiter("late", 3.0), _waiter("early", 1.0), _waiter("middle", 2.0)
+    scheduler = Scheduler(capacity=2, token_budget=100, slot_wait_s=2.0)
+    plan = scheduler.plan([late, early, middle], now=4.0)
+    assert (_names(plan.admits), plan.parks, plan.work) == (["early", "middle"], [], [])
+    assert scheduler.wake_at == 5.0  # `late` may claim a pinned slot once it has waited slot_wait_s
+    assert [run.waiting_since for run in (late, early, middle)] == [3.0, 1.0, 2.0]
+
+
+def test_idle_runs_are_parked_for_waiters_before_busy_ones_then_the_least_recently_active() -> None:
+    busy = _resident("busy", _pass(4), last_active=1.0)
+    idle_recent, idle_old = _resident("idle_recent", last_active=5.0), _resident("idle_old", last_active=3.0)
+    waiters = [_waiter("w1", 0.5), _waiter("w2", 0.6)]
+    plan = Scheduler(capacity=3, token_budget=100).plan([busy, idle_recent, idle_old, *waiters], now=6.0)
+    assert (_names(plan.parks), _names(plan.admits)) == (["idle_old", "idle_recent"], ["w1", "w2"])
+    assert [_ids(w) for w in plan.work] == [["busy-1"]]  # type: ignore[arg-type]
+
+    runs = [_resident(name, _pass(4), last_active=t) for name, t in (("b2", 2.0), ("b1", 1.0), ("b3", 3.0))]
+    plan = Scheduler(capacity=3, token_budget=100).plan([*runs, _waiter("w", 0.5)], now=6.0)
+    assert (_names(plan.parks), _names(plan.admits)) == (["b1"], ["w"])
+    assert sorted(_ids(plan.work[0])) == ["b2-1", "b3-1"]  # type: ignore[arg-type]
+
+
+def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_has_waited_slot_wait_s() -> None:
+    pinned = _resident("pinned", pinned=True, last_active=0.5)  # its optim_step has not arrived yet
+    waiter = _waiter("w", 1.0)
+    scheduler = Scheduler(capacity=1, token_budget=100, slot_wait_s=2.0)
+    for now in (1.0, 2.0, 2.999):
+        plan = scheduler.plan([pinned, waiter], now=now)
+        assert (plan.parks, plan.admits, plan.work) == ([], [], [])
+        assert scheduler.wake_at == 3.0  # the worker looks again when the waiter may take the slot
+    plan = scheduler.plan([pinned, waiter], now=3.0)
+    assert (_names(plan.parks), _names(plan.admits), plan.work) == (["pinned"], ["w"], [])
+
+    # With an unpinned run to park, a pinned one keeps its slot even past the deadline.
+    unpinned = _resident("unpinned", last_active=9.0)
+    plan = Scheduler(capacity=2, token_budget=100, slot_wait_s=2.0).plan([pinned, unpinned, waiter], now=10.0)
+    assert (_names(plan.parks), _names(plan.admits)) == (["unpinned"], ["w"])
+
+
+def test_work_is_planned_only_for_runs_that_hold_their_slot_through_the_plan() -> None:
+    resident = _resident("r", _pass(4), OptimStep(AdamParams()), last_active=0.0)
+    waiter = _waiter("w", 0.5, _pass(4), SaveState("s"))
+    scheduler = Scheduler(capacity=1, token_budget=100, slot_wait_s=2.0)
+    plan = scheduler.plan([resident, waiter], now=1.0)
+    assert (_names(plan.parks), _names(plan.admits), plan.work) == (["r"], ["w"], [])
+    assert resident.queue.next_seq_id == waiter.queue.next_seq_id == 1  # nothing was popped for either
+
+    # The worker parks r and gives w the slot; w does the work it waited for before it can be parked again
+    # (parked at once, it would hand the slot straight back and the two would swap without end).
+    resident.slot, resident.status, resident.waiting_since = None, PARKED, 1.0
+    waiter.slot, waiter.status, waiter.waiting_since = 3, "live", None
+    plan = scheduler.plan([resident, waiter], now=1.1)
+    assert (plan.parks, plan.admits, [_ids(w) for w in plan.work]) == ([], [], [["w-1"]])  # type: ignore[arg-type]
+    assert scheduler.wake_at == 3.0
+    plan = scheduler.plan([resident, waiter], now=1.2)  # w has worked and is not pinned: it yields the slot
+    assert (_names(plan.parks), _names(plan.admits), plan.work) == (["w"], ["r"], [])

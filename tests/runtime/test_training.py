@@ -7,7 +7,7 @@ import pytest
 
 from loraplex.engine.types import AdamParams, DatumInput
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.commands import OptimStep, Pass
+from loraplex.runtime.commands import ForwardBackward, OptimStep
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, rl_pass, sft_pass, train_steps
 
 
@@ -86,7 +86,7 @@ def test_optim_steps_of_different_runs_fuse_into_one_engine_call(service_factory
 def test_a_bad_request_fails_alone_as_a_user_error_and_its_seq_id_is_consumed(service_factory) -> None:
     service = service_factory()
     run = create_run(service)
-    bad = service.submit("local", run, 1, Pass("nope", {}, sft_pass().datums, False))
+    bad = service.submit("local", run, 1, ForwardBackward("nope", {}, sft_pass().datums, False))
     good = service.submit("local", run, 2, sft_pass())
     failed = result_of(service, bad)
     assert (failed.status, failed.category) == ("failed", "user")
@@ -107,7 +107,7 @@ def test_oversized_requests_fail_with_the_limit_named(service_factory, limit, da
     run = create_run(service)
     one = sft_pass().datums[0]
     record = result_of(
-        service, service.submit("local", run, 1, Pass("cross_entropy", {}, [one] * datums, False))
+        service, service.submit("local", run, 1, ForwardBackward("cross_entropy", {}, [one] * datums, False))
     )
     assert record.category == "user" and message in record.error
 
@@ -150,7 +150,9 @@ def test_forward_only_leaves_gradients_untouched(service_factory) -> None:
             "local",
             run,
             1,
-            Pass("cross_entropy", {}, [DatumInput(PHRASE[:-1], {"target_tokens": PHRASE[1:]})], True),
+            ForwardBackward(
+                "cross_entropy", {}, [DatumInput(PHRASE[:-1], {"target_tokens": PHRASE[1:]})], True
+            ),
         ),
     )
     step = result_of(service, service.submit("local", run, 2, OptimStep(AdamParams())))

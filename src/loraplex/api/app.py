@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, and the one place exception classes become HTTP status codes.
+"""The FastAPI application: the Tinker routes under /api/v1 and their error bodies, and the
+OpenAI-compatible app mounted at /v1 (api/openai/). Status codes come from errors.py.
 
 Knows nothing of tensors or the database; it talks only to the runtime's TrainingService.
 """
@@ -6,33 +7,65 @@ Knows nothing of tensors or the database; it talks only to the runtime's Trainin
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.routes import futures, rest, sampling, service, training, unsupported
+from loraplex.api.errors import status_of
+from loraplex.api.limits import BodyLimit, RequestLimits
+from loraplex.api.openai.app import create_openai_app
+from loraplex.api.routes import (
+    downloads,
+    futures,
+    rest,
+    sampling,
+    service,
+    sharing,
+    training,
+    unsupported,
+)
+from loraplex.api.wire import describe_errors
 from loraplex.errors import CapacityError, LoraplexError, UserError
 from loraplex.runtime.service import TrainingService
 
 log = logging.getLogger(__name__)
 
 
-def status_of(error: LoraplexError) -> int:
-    """HTTP status of an error: its own status_code if it has one (a UserError's 4xx, sampling
-    backpressure's 429, the only 429); else 503 for capacity (retried) and 500 for the rest."""
-    return getattr(error, "status_code", 503 if isinstance(error, CapacityError) else 500)
+# x-should-retry tells the SDK's HTTP layer not to retry a permanent (user) error.
+_PERMANENT = {"x-should-retry": "false"}
 
 
 async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, LoraplexError)
     status = status_of(error)
-    if status >= 500:
-        log.error("server error: %r", error)
-    # x-should-retry tells the SDK's HTTP layer not to retry a permanent (user) error.
-    headers = {"x-should-retry": "false"} if isinstance(error, UserError) else {}
+    if status >= 500 and not isinstance(error, CapacityError):  # capacity says what to wait for
+        return _server_error(error)
+    headers = _PERMANENT if isinstance(error, UserError) else {}
     return JSONResponse({"detail": str(error)}, status_code=status, headers=headers)
+
+
+async def _invalid_body(_request: Request, error: Exception) -> JSONResponse:
+    """A body or parameter that fits no field: 422 naming the fields, not echoing their values."""
+    assert isinstance(error, RequestValidationError)
+    return JSONResponse({"detail": describe_errors(error.errors())}, status_code=422, headers=_PERMANENT)
+
+
+async def _unexpected_error(_request: Request, error: Exception) -> JSONResponse:
+    return _server_error(error)
+
+
+def _server_error(error: Exception) -> JSONResponse:
+    """A 500 whose body names an error id, never the error itself (it may hold filesystem paths); the log
+    has the details under that id."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("server error %s: %r", error_id, error, exc_info=error)
+    detail = f"internal server error (error id {error_id}; the server log has the details)"
+    return JSONResponse({"detail": detail}, status_code=500)
 
 
 def create_app(training_service: TrainingService, run_service: bool = True) -> FastAPI:
@@ -48,13 +81,17 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
         try:
             yield
         finally:
-            training_service.stop()
+            await run_in_threadpool(training_service.stop)  # it parks runs: database writes
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     app.state.service = training_service
     app.add_exception_handler(LoraplexError, _loraplex_error)
+    app.add_exception_handler(RequestValidationError, _invalid_body)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(BodyLimit, limits=RequestLimits.from_config(training_service.config))
     # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
-    for module in (service, training, futures, sampling, unsupported, rest):
+    for module in (service, training, futures, sampling, downloads, sharing, unsupported, rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(unsupported.fallback, prefix="/api/v1")
+    app.mount("/v1", create_openai_app(training_service))
     return app

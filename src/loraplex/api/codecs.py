@@ -1,12 +1,15 @@
-"""Protobuf codecs: forward_backward request bytes (maybe zstd) -> Pass command; PassResult ->
+"""Protobuf codecs: forward_backward request bytes (maybe zstd) -> ForwardBackward command; PassResult ->
 ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON forms.
 
 Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
-buffers. numpy only, no tensors; shape checks against the model are the engine's (validate_pass_request).
+buffers. A body's declared sizes are checked against the request limits (api/limits.py) before anything
+is decompressed or densified. numpy only, no tensors; shape checks against the model are the engine's
+(validate_pass_request).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -14,11 +17,14 @@ import zstandard
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
+from loraplex.api.limits import MIB, RequestLimits, current_limits
 from loraplex.errors import UserError
-from loraplex.runtime.commands import DatumInput, Pass, PassResult
+from loraplex.runtime.commands import DatumInput, ForwardBackward, PassResult
 from loraplex.runtime.sampling import SampleResult
 
-MAX_BODY_BYTES = 512 * 1024 * 1024  # after decompression; the SDK sends one datum alone if it is larger
+# Only routes/training.py's Content-Length pre-check reads this; the limits in force (BodyLimit, and
+# decompress below) are lower.
+_DECOMPRESS_PIECE_BYTES = MIB
 
 _DTYPES: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -27,7 +33,7 @@ _DTYPES: dict[int, np.dtype] = {
 }
 _PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
-# What an unscored top-k cell reads as on the wire (tinker-protocol.md §5 TopkLogprobs).
+# What an unscored top-k cell reads as on the wire (docs/PROTOCOL.md §7.3).
 _TOPK_EMPTY_ID, _TOPK_EMPTY_LOGPROB = 0, -99999.0
 
 
@@ -38,24 +44,35 @@ class PayloadTooLargeError(UserError):
 
 
 def decompress(body: bytes, content_encoding: str | None) -> bytes:
-    """Undo Content-Encoding: zstd (bounded, so a small bomb cannot expand without limit)."""
+    """Undo Content-Encoding: zstd. A body that would decompress past the forward body limit is refused
+    (413) by its frame header when that declares the size, else once that many bytes came out."""
     if not content_encoding or content_encoding == "identity":
         return body
     if content_encoding != "zstd":
         raise UserError(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
+    limit = current_limits().max_forward_body_bytes
+    too_large = PayloadTooLargeError(
+        f"zstd body decompresses to over {limit} bytes, the limit of forward_backward bodies on this "
+        "server (set by --max-tokens-per-datum and --max-target-width)"
+    )
+    pieces, size = [], 0
     try:
+        if zstandard.frame_content_size(body) > limit:  # -1 when the frame does not declare it
+            raise too_large
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            data = reader.read(MAX_BODY_BYTES + 1)
+            while piece := reader.read(_DECOMPRESS_PIECE_BYTES):
+                size += len(piece)
+                if size > limit:
+                    raise too_large
+                pieces.append(piece)
     except zstandard.ZstdError as exc:
         raise UserError(f"corrupt zstd body: {exc}") from exc
-    if len(data) > MAX_BODY_BYTES:
-        raise PayloadTooLargeError(f"decompressed body exceeds {MAX_BODY_BYTES} bytes")
-    return data
+    return b"".join(pieces)
 
 
 def parse_forward_backward(body: bytes) -> Any:
     """The ForwardBackwardRequest message of a body (UserError if it is not one); its model_id and seq_id
-    are known from here on, so what `pass_command` refuses can be recorded against them."""
+    are known from here on, so what `forward_backward_command` refuses can be recorded against them."""
     msg = pb.ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)
@@ -64,10 +81,35 @@ def parse_forward_backward(body: bytes) -> Any:
     return msg
 
 
-def pass_command(msg: Any) -> Pass:
-    """The Pass a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
+def forward_backward_command(msg: Any) -> ForwardBackward:
+    """The command a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
+    _check_declared_shapes(msg, current_limits())
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
-    return Pass(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
+    return ForwardBackward(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
+
+
+def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
+    """Refuse, from the declared shapes alone, tensors that would take more memory to decode than the
+    limits allow: a sparse tensor's shape costs a few bytes on the wire whatever it declares. Sizes are
+    Python ints, which a huge shape cannot wrap around as numpy's int64 product can."""
+    total = 0
+    for index, datum in enumerate(msg.data):
+        for key, tensor in datum.loss_fn_inputs.items():
+            where, shape = f"datum {index}: loss_fn_inputs[{key!r}]", list(tensor.shape)
+            if len(shape) > 2 or min(shape, default=0) < 0:
+                raise UserError(f"{where}: shape {shape} is not (N,) or (N, K) with sizes >= 0")
+            if len(shape) == 2 and shape[1] > limits.max_target_width:
+                raise UserError(
+                    f"{where}: shape {shape} is {shape[1]} wide; this server takes (N, K) inputs up to "
+                    f"K = {limits.max_target_width} (--max-target-width)"
+                )
+            total += math.prod(shape)
+            if total > limits.max_decoded_values:
+                raise UserError(
+                    f"{where}: shape {shape} takes the request's loss_fn_inputs to {total} values, over the "
+                    f"{limits.max_decoded_values} this server decodes per request "
+                    "(--max-tokens-per-request × --max-target-width)"
+                )
 
 
 def _loss_config(msg: Any) -> dict[str, float]:
@@ -89,7 +131,7 @@ def _datum(index: int, datum: Any) -> DatumInput:
         kind = chunk.WhichOneof("chunk")
         if kind != "encoded_text":
             raise UserError(f"datum {index}: {kind} chunks are not supported; send encoded_text tokens")
-        pieces.append(np.frombuffer(chunk.encoded_text.tokens, dtype="<i4"))
+        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.encoded_text.tokens, np.dtype("<i4")))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = {
         key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t) for key, t in datum.loss_fn_inputs.items()
@@ -100,35 +142,50 @@ def _datum(index: int, datum: Any) -> DatumInput:
 def _tensor(where: str, msg: Any) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
-        raise UserError(f"{where}: unsupported dtype {pb.DType.Name(msg.dtype)}; use float32 or int64")
+        name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
+        raise UserError(f"{where}: unsupported dtype {name}; use float32 or int64")
     if msg.HasField("sparse_csr"):
         return _densify(where, msg, dtype)
     data = _frombuffer(where, msg.dense, dtype)
     shape = list(msg.shape) or [data.size]
-    if int(np.prod(shape)) != data.size:
+    if math.prod(shape) != data.size:
         raise UserError(f"{where}: shape {shape} does not match its {data.size} values")
     return data.reshape(shape)
 
 
 def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
-    """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0."""
+    """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0, once its
+    structure is whole: a broken one would drop values or misplace them without an error."""
     shape = list(msg.shape)
+    if len(shape) != 2:
+        raise UserError(f"{where}: a sparse CSR tensor is 2-D, got shape {shape}")
     values = _frombuffer(where, msg.sparse_csr.values, dtype)
     crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
     cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
-    if (
-        len(shape) != 2
-        or len(crow) != shape[0] + 1
-        or len(cols) != len(values)
-        or (len(crow) and crow[-1] != len(values))
-    ):
-        raise UserError(f"{where}: inconsistent sparse CSR tensor of shape {shape}")
-    if (len(cols) and (cols.min() < 0 or cols.max() >= shape[1])) or np.any(np.diff(crow) < 0):
-        raise UserError(f"{where}: sparse CSR indices out of range for shape {shape}")
+    problem = _csr_problem(shape, len(values), crow, cols)
+    if problem is not None:
+        raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
     dense = np.zeros(shape, dtype)
-    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
-    dense[rows, cols] = values
+    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), cols] = values
     return dense
+
+
+def _csr_problem(shape: list[int], num_values: int, crow: np.ndarray, cols: np.ndarray) -> str | None:
+    """What is wrong with a CSR structure of `shape` holding `num_values` values, or None."""
+    rows, width = shape
+    if len(crow) != rows + 1:
+        return f"{len(crow)} crow_indices, expected rows + 1 = {rows + 1}"
+    if crow[0] != 0:
+        return f"crow_indices start at {crow[0]}, not 0"
+    if np.any(np.diff(crow) < 0):
+        return "crow_indices decrease"
+    if crow[-1] != num_values:
+        return f"crow_indices end at {crow[-1]}, not at the {num_values} values"
+    if len(cols) != num_values:
+        return f"{len(cols)} col_indices for {num_values} values"
+    if num_values and (cols.min() < 0 or cols.max() >= width):
+        return f"a col_index is outside [0, {width})"
+    return None
 
 
 def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
@@ -180,7 +237,9 @@ def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
         }
         for out in result.outputs
     ]
-    return {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": result.metrics}
+    return json_safe(
+        {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": result.metrics}
+    )
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
@@ -218,13 +277,25 @@ def sample_response_json(result: SampleResult) -> dict[str, Any]:
         {"stop_reason": s.stop_reason, "tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist()}
         for s in result.sequences
     ]
-    prompt = None
-    if result.prompt_logprobs is not None:
-        prompt = [None if np.isnan(v) else float(v) for v in result.prompt_logprobs]
+    prompt = None if result.prompt_logprobs is None else result.prompt_logprobs.tolist()
     topk = None
     if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
         topk = [
             [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
             for ids, lps in zip(result.topk_prompt_ids, result.topk_prompt_logprobs, strict=True)
         ]
-    return {"type": "sample", "sequences": sequences, "prompt_logprobs": prompt, "topk_prompt_logprobs": topk}
+    return json_safe(
+        {"type": "sample", "sequences": sequences, "prompt_logprobs": prompt, "topk_prompt_logprobs": topk}
+    )
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN and infinity as None: JSON has neither, and a result may hold them (an
+    unscored prompt position, a step skipped for a non-finite gradient norm)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value

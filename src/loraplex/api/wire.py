@@ -1,18 +1,29 @@
 """Wire models: the Tinker protocol's JSON bodies (pydantic), each converting once into runtime values.
 
 Requests ignore unknown fields (the SDK adds e.g. `type`); responses are built by the `*_json`
-functions from runtime views. No tensors, no engine calls.
+functions from runtime views. Sizes the operator limits (user_metadata, stop lists, names) are checked
+against the request limits in force (api/limits.py). No tensors, no engine calls.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+)
 
+from loraplex.api.limits import current_limits
 from loraplex.errors import UserError
 from loraplex.runtime.catalog import CheckpointView, RunView
 from loraplex.runtime.checkpoints import CheckpointPath
@@ -23,6 +34,7 @@ from loraplex.runtime.commands import (
     LoadState,
     LoraConfig,
     OptimStep,
+    SaveExternal,
     SaveSnapshot,
     SaveState,
 )
@@ -30,14 +42,111 @@ from loraplex.runtime.sampling import SampleRequest, SamplingParams
 
 
 class WireModel(BaseModel):
-    """Base of request bodies: unknown fields are ignored, `model_` names are allowed."""
+    """Base of request bodies: unknown fields are ignored, `model_` names are allowed, text is Unicode."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+    @field_validator("*")
+    @classmethod
+    def _is_unicode(cls, value: Any) -> Any:
+        """Refuse a lone surrogate ("\\ud800" parses as JSON, but no UTF-8 store or file name can hold it)."""
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ValueError("text with a lone surrogate (\\ud800-\\udfff) is not Unicode") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_unicode(item)
+
+
+# --- field types: what the database can hold, and what the operator bounds
+# The database stores seq_ids, TTLs and offsets as 64-bit integers: a larger one is refused here (422)
+# rather than overflowing there. Token ids too are int64 once decoded.
+Int64 = Annotated[int, Field(ge=-(2**63), lt=2**63)]
+SeqId = Annotated[int, Field(ge=0, lt=2**63)]
+TtlSeconds = Annotated[int, Field(ge=3600, le=10 * 365 * 86400)]  # an hour up to ten years (Tinker's range)
+
+
+def _text_values(value: Any) -> Any:
+    """Metadata values as text, as Tinker keeps them (the cookbook sends some numbers)."""
+    if isinstance(value, dict):
+        return {key: item if isinstance(item, str) else str(item) for key, item in value.items()}
+    return value
+
+
+def _bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    limits = current_limits()
+    if len(metadata) > limits.max_metadata_entries:
+        raise ValueError(
+            f"{len(metadata)} entries, over the {limits.max_metadata_entries} this server keeps "
+            "(--max-metadata-entries)"
+        )
+    size = sum(len(key.encode()) + len(item.encode()) for key, item in metadata.items())
+    if size > limits.max_metadata_bytes:
+        raise ValueError(
+            f"{size} bytes of keys and values, over the {limits.max_metadata_bytes} this server keeps "
+            "(--max-metadata-bytes)"
+        )
+    return metadata
+
+
+def _bounded_name(name: str) -> str:
+    limit, size = current_limits().max_name_bytes, len(name.encode())
+    if size > limit:
+        raise ValueError(f"a name of {size} bytes, over the {limit} this server takes (--max-name-bytes)")
+    return name
+
+
+def _bounded_stop(stop: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
+    limits = current_limits()
+    items = [stop] if isinstance(stop, str) else stop or []
+    if len(items) > limits.max_stop_sequences:
+        raise ValueError(
+            f"{len(items)} stop items, over the {limits.max_stop_sequences} this server takes "
+            "(--max-stop-sequences)"
+        )
+    longest = max((len(item) for item in items if isinstance(item, str)), default=0)
+    if longest > limits.max_stop_chars:
+        raise ValueError(
+            f"a stop string of {longest} characters, over the {limits.max_stop_chars} this server takes "
+            "(--max-stop-chars)"
+        )
+    return stop
+
+
+def _bounded_num_samples(num_samples: int) -> int:
+    # Checked here, not only by the engine: the route promises one sequence id per sample, also to a
+    # resent request, which the service answers with its first future without looking at it again.
+    limit = current_limits().max_queued_samples
+    if num_samples > limit:
+        raise ValueError(f"{num_samples} samples, over the {limit} this server queues (--max-queued-samples)")
+    return num_samples
+
+
+UserMetadata = Annotated[dict[str, str], BeforeValidator(_text_values), AfterValidator(_bounded_metadata)]
+CheckpointName = Annotated[str, AfterValidator(_bounded_name)]
+
+
+def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """Validation errors as one line naming each field, without echoing values (they may be huge, or NaN,
+    which JSON cannot carry)."""
+    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors]
+    return "invalid request body: " + "; ".join(problems)
 
 
 # --- service and sessions
 class CreateSessionRequest(WireModel):
-    user_metadata: dict[str, Any] = Field(default_factory=dict)
+    user_metadata: UserMetadata = Field(default_factory=dict)
 
 
 class SessionRequest(WireModel):
@@ -55,7 +164,7 @@ class FinishRequest(WireModel):
 # --- training
 class WireLoraConfig(WireModel):
     rank: int = Field(32, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -67,9 +176,9 @@ class OptimizerConfig(WireModel):
 
 class CreateModelRequest(WireModel):
     session_id: str
-    model_seq_id: int = Field(ge=0)
+    model_seq_id: SeqId
     base_model: str
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
     lora_config: WireLoraConfig = Field(default_factory=WireLoraConfig)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -83,7 +192,7 @@ class CreateModelRequest(WireModel):
             train_mlp=cfg.train_mlp,
             train_unembed=cfg.train_unembed,
         )
-        return CreateRun(config, self.base_model, _metadata(self.user_metadata))
+        return CreateRun(config, self.base_model, self.user_metadata or {})
 
 
 class LoadWeightsRequest(WireModel):
@@ -92,16 +201,16 @@ class LoadWeightsRequest(WireModel):
     path: str
     optimizer: bool = False
     session_id: str | None = None
-    model_seq_id: int | None = Field(None, ge=0)
+    model_seq_id: SeqId | None = None
     model_id: str | None = None
-    seq_id: int | None = None
-    user_metadata: dict[str, Any] | None = None
+    seq_id: Int64 | None = None
+    user_metadata: UserMetadata | None = None
     optimizer_config: OptimizerConfig | None = None
 
     def to_command(self) -> CreateRunFromCheckpoint | LoadState:
         source = CheckpointPath.parse(self.path)
         if self.session_id is not None:
-            return CreateRunFromCheckpoint(source, self.optimizer, _metadata(self.user_metadata))
+            return CreateRunFromCheckpoint(source, self.optimizer, self.user_metadata or {})
         return LoadState(source, self.optimizer)
 
 
@@ -122,7 +231,7 @@ class WireAdamParams(WireModel):
 
 class OptimStepRequest(WireModel):
     model_id: str
-    seq_id: int
+    seq_id: Int64
     params: WireAdamParams = Field(
         validation_alias=AliasChoices("adam_params", "optim_params", "optimizer_params")
     )
@@ -133,11 +242,11 @@ class OptimStepRequest(WireModel):
 
 class SaveWeightsRequest(WireModel):
     model_id: str
-    seq_id: int
-    path: str | None = None
-    ttl_seconds: int | None = Field(None, ge=3600)
+    seq_id: Int64
+    path: CheckpointName | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: UserMetadata | None = None
 
     def to_command(self) -> SaveState:
         return SaveState(
@@ -147,11 +256,11 @@ class SaveWeightsRequest(WireModel):
 
 class SaveWeightsForSamplerRequest(WireModel):
     model_id: str
-    seq_id: int
-    path: str | None = None
-    sampling_session_seq_id: int | None = None
-    ttl_seconds: int | None = Field(None, ge=3600)
-    user_metadata: dict[str, str] | None = None
+    seq_id: Int64
+    path: CheckpointName | None = None
+    sampling_session_seq_id: SeqId | None = None
+    ttl_seconds: TtlSeconds | None = None
+    user_metadata: UserMetadata | None = None
 
     def to_command(self, session_id: str) -> SaveSnapshot:
         if self.path is not None:
@@ -162,10 +271,18 @@ class SaveWeightsForSamplerRequest(WireModel):
 
 class SaveWeightsExternalRequest(WireModel):
     model_id: str
-    seq_id: int
-    path: str
-    ttl_seconds: int | None = None
+    seq_id: Int64
+    path: CheckpointName
+    ttl_seconds: TtlSeconds | None = None
     age_encryption_recipients: list[str] | None = None
+
+    def to_command(self) -> SaveExternal:
+        if self.age_encryption_recipients:
+            raise UserError(
+                "save_weights_external with age_encryption_recipients is not supported by this server: "
+                "exports are stored unencrypted (the download URLs are signed per tenant and expire)"
+            )
+        return SaveExternal(self.path, self.ttl_seconds)
 
 
 class RetrieveFutureRequest(WireModel):
@@ -175,14 +292,14 @@ class RetrieveFutureRequest(WireModel):
 # --- sampling and REST
 class CreateSamplingSessionRequest(WireModel):
     session_id: str
-    sampling_session_seq_id: int
+    sampling_session_seq_id: SeqId
     model_path: str | None = None
     base_model: str | None = None
 
 
 class WireChunk(WireModel):
     type: str
-    tokens: list[int] | None = None  # encoded_text only
+    tokens: list[Int64] | None = None  # encoded_text only
 
 
 class WireModelInput(WireModel):
@@ -196,11 +313,12 @@ class WireModelInput(WireModel):
 
 
 class WireSamplingParams(WireModel):
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | list[int] | None = None  # None = EOS; [] = max_tokens only
+    max_tokens: Int64 | None = None
+    seed: int | None = None  # the engine names the allowed range, [0, 2**64)
+    # None = EOS; [] = max_tokens only
+    stop: Annotated[str | list[str] | list[Int64] | None, AfterValidator(_bounded_stop)] = None
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: Int64 = -1
     top_p: float = 1.0
 
     def to_params(self) -> SamplingParams:
@@ -213,16 +331,16 @@ class AsampleRequest(WireModel):
     """asample; the 0.38.0 SDK always addresses a sampling session (never model_path / base_model)."""
 
     sampling_session_id: str
-    seq_id: int = Field(ge=0)
-    num_samples: int = 1
+    seq_id: SeqId
+    num_samples: Annotated[int, AfterValidator(_bounded_num_samples)] = 1
     prompt: WireModelInput
     sampling_params: WireSamplingParams = Field(default_factory=WireSamplingParams)
     prompt_logprobs: bool | None = False
-    topk_prompt_logprobs: int = 0
-    prompt_logprobs_last_n: int | None = None
+    topk_prompt_logprobs: Int64 = 0
+    prompt_logprobs_last_n: Int64 | None = None
     # Not served: refused by name rather than silently ignored.
-    topk_sample_logprobs: int = 0
-    prompt_alt_tokens_k: int = 0
+    topk_sample_logprobs: Int64 = 0
+    prompt_alt_tokens_k: Int64 = 0
     target_prompt_logprobs: dict[str, Any] | None = None
 
     def to_request(self) -> SampleRequest:
@@ -264,7 +382,7 @@ def checkpoint_json(view: CheckpointView) -> dict[str, Any]:
         "time": _time(view.created_at),
         "tinker_path": str(view.path),
         "size_bytes": view.size_bytes,
-        "public": False,
+        "public": view.public,
         "user_metadata": view.user_metadata,
         "expires_at": _time(view.expires_at),
     }

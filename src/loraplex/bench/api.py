@@ -1,6 +1,6 @@
 """`bench api`: the `bench train` workload (K runs × tokens, cross_entropy forward_backward + optim_step
 per round) sent through the official `tinker` SDK over HTTP to a `loraplex serve` subprocess, against the
-same calls made directly on a `LocalEngine` in this process, interleaved round by round (performance.md).
+same calls made directly on a `LocalEngine` in this process, interleaved round by round (docs/BENCHMARKS.md).
 
 Both sides load the same model directory, train K fresh rank-R slots on the same token arrays and step
 AdamW with the same parameters; the SDK side submits every run's forward_backward, then every run's

@@ -1,4 +1,4 @@
-"""The baselines a user would pick instead of loraplex (performance.md), built as such a user would.
+"""The baselines a user would pick instead of loraplex (docs/BENCHMARKS.md), built as such a user would.
 
 `NaivePeftLoop`: HF transformers + PEFT, K adapters on one model, trained one after another
 (`set_adapter(k)`, padded batch forward, unfused cross entropy over full logits, `loss.backward()`).

@@ -1,6 +1,7 @@
 """The sweep chart and table: `python -m loraplex.bench.chart SWEEP.jsonl OUT.png` draws a `bench train
 --sweep --json` output as a grid of line charts (rows: figures; columns: ranks; x: tokens per slot; one
-line per slot count; grey: the performance.md target where there is one) and prints it as a Markdown table.
+line per slot count; grey: the docs/BENCHMARKS.md target where there is one) and prints it as a Markdown
+table.
 
 Plain data in, PNG bytes and text out (raster.py draws); knows nothing of how the figures were measured.
 """
@@ -101,7 +102,7 @@ def render_sweep(points: list[dict[str, Any]], title: str) -> bytes:
         canvas.text(legend_x + 18, 30, label, _INK)
         legend_x += 30 + Canvas.text_width(label)
     canvas.line(legend_x, 33, legend_x + 12, 33, _TARGET)
-    canvas.text(legend_x + 18, 30, "target (performance.md)   x: tokens per slot", _INK)
+    canvas.text(legend_x + 18, 30, "target (docs/BENCHMARKS.md)   x: tokens per slot", _INK)
     by_key = {(p["rank"], p["slots"], p["tokens_per_slot"]): p for p in points}
     for row, (field, name, target) in enumerate(figures):
         values = [p[field] for p in points if p.get(field) is not None]

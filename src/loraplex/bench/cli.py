@@ -17,7 +17,7 @@ from loraplex.errors import UserError
 
 
 def _common(parser: argparse.ArgumentParser, slots: int) -> None:
-    """Flags every bench subcommand takes (performance.md's contract)."""
+    """Flags every bench subcommand takes (docs/BENCHMARKS.md's contract)."""
     parser.add_argument("--slots", type=int, default=slots, help=f"adapter slots (default: {slots})")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every slot (default: 16)")
     parser.add_argument(
@@ -120,14 +120,16 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `bench` (with `train` and `optim`) on the `loraplex` command's subparsers."""
-    bench = subparsers.add_parser("bench", help="Measure throughput against the baselines (performance.md).")
+    bench = subparsers.add_parser(
+        "bench", help="Measure throughput against the baselines (docs/BENCHMARKS.md)."
+    )
     _add_subcommands(bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m loraplex.bench`."""
     parser = argparse.ArgumentParser(
-        prog="loraplex bench", description="Measure loraplex against the baselines of performance.md."
+        prog="loraplex bench", description="Measure loraplex against the baselines of docs/BENCHMARKS.md."
     )
     _add_subcommands(parser)
     args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ _QWEN3_MOE: dict[str, Any] = {
 
 # Shapes of the built-in presets; any other --model value is read as an HF model directory.
 PRESETS: dict[str, dict[str, Any]] = {
-    # performance.md's workload. intermediate_size 1536 = 3 × hidden, the Qwen3-0.6B ratio; untied
+    # docs/BENCHMARKS.md's workload. intermediate_size 1536 = 3 × hidden, the Qwen3-0.6B ratio; untied
     # lm_head so that PEFT and the engine train exactly the same LoRA targets without tying caveats.
     "tiny-qwen3-bench": {
         **_QWEN3,

@@ -4,7 +4,7 @@ LoRA training of a frozen base costs 4N FLOPs per token (N = parameters of every
 passes, lm_head included, embeddings and the small LoRA matmuls excluded): 2N forward plus 2N for
 activation gradients, no base weight gradients. In an MoE layer a token passes the router and its top-k
 experts only, so N counts those (the active parameters), not all E experts. Attention's score and value
-products are counted apart (performance.md). Knows nothing of the engine or of baselines.
+products are counted apart (docs/BENCHMARKS.md). Knows nothing of the engine or of baselines.
 
 Shapes: N query heads, H head dim, L sequence length.
 """

@@ -1,6 +1,6 @@
 """`bench sample`: the engine's continuous-batching sampler over many LoRA snapshots at once, against HF
 `generate` + PEFT one adapter after another and against the engine on the base model alone, all in one
-process, interleaved round by round (performance.md).
+process, interleaved round by round (docs/BENCHMARKS.md).
 
 Every configuration generates exactly `new_tokens` greedy tokens for the same prompts: the engine with
 `stop=()` (only max_tokens stops), HF with `min_new_tokens == max_new_tokens`. The snapshots are written

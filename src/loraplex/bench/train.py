@@ -1,5 +1,5 @@
 """`bench train`: one fused multi-slot forward_backward against the naive PEFT loop, the one-slot pass and
-the dense matmul rate, all in one process, interleaved round by round (performance.md).
+the dense matmul rate, all in one process, interleaved round by round (docs/BENCHMARKS.md).
 
 Each compared configuration is a zero-argument callable doing one training step's forward and backward
 over the same tokens; `build_configuration` builds any one of them alone (the memory probe uses it).
@@ -35,7 +35,7 @@ from loraplex.model.config import DecoderConfig
 
 Run = Callable[[], object]
 
-# The sweep grid (performance.md issue #7 part 2).
+# The sweep grid (docs/BENCHMARKS.md issue #7 part 2).
 SWEEP_TOKENS_PER_SLOT = (8, 32, 256)
 SWEEP_SLOTS = (1, 8, 32)
 SWEEP_RANKS = (1, 16, 64)

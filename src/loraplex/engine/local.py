@@ -90,6 +90,7 @@ class LocalEngine(Engine):
         """All requests in one packed pass (see `passes.run_pass`); if it raises, every slot's gradients are
         as before. keep_undo: keep the copies so `undo_last` can take a successful pass back (a data
         parallel rank whose peer failed its share)."""
+        self._undo = None  # whatever fails from here, a Rollback must not take back an earlier pass or step
         self.require_live_slots(requests)
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
         adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
@@ -133,6 +134,7 @@ class LocalEngine(Engine):
         """One fused AdamW step over the given slots; if it raises, no slot changed. reduce_gradients (a
         data-parallel all-reduce) runs on the stepped slots' flat accumulators first, inside the same
         transaction; keep_undo as for `run_pass`."""
+        self._undo = None  # as in run_pass
         adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError before anything changes
         with self._transaction(SlotSnapshot(adams, with_state=True), keep_undo):
             if reduce_gradients is not None:
@@ -247,7 +249,8 @@ def build_local_engine(
     """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`; passes past
     `max_pass_tokens` run in pieces."""
     is_tiny = model == "tiny"
-    model_dir = ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser().resolve()
+    # Absolute: get_info reports it as the tokenizer's location, which clients elsewhere must find.
+    model_dir = (ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser()).resolve()
     if not (model_dir / "config.json").is_file():
         raise UserError(f"--model {model}: {model_dir} is not an HF model directory (no config.json)")
     torch_device = resolve_device(device)

@@ -2,7 +2,7 @@
 
 `LOSSES` is the only list of supported losses (request validation, docs and tests read it). A loss
 is a pure function of one request's datums packed flat and returns the per-token loss ℓ; the engine
-sums ℓ, never averages: normalisation is the client's (shared/docs/losses.md has the math).
+sums ℓ, never averages: normalisation is the client's (docs/LOSSES.md has the math).
 Validation is numpy only and runs before any compute. Engine code: no HTTP, no SQL.
 
 Shapes: T tokens of one request (its datums packed, no padding), K top-k width, Q datums.
@@ -280,8 +280,6 @@ def validate_datum_inputs(
     """
     spec = _spec(loss_fn)
     where = f"datum {index}"
-    if n_tokens < 1:
-        raise UserError(f"{where}: model_input is empty; every datum needs at least one token")
     missing = [key for key in spec.required if key not in loss_fn_inputs]
     if missing:
         raise UserError(
@@ -415,7 +413,7 @@ def compute_loss(
     """Per-token loss ℓ (T,) of a packed request, and its metrics as detached 0-D tensors (incl. loss:sum).
 
     `lp` is the learner's fp32 logprobs of batch.inputs["target_tokens"], (T,) or (T,K), with autograd.
-    Semantics: each datum's slice of ℓ equals that datum's losses.md formula applied to it alone;
+    Semantics: each datum's slice of ℓ equals that datum's docs/LOSSES.md formula applied to it alone;
     packing only replaces a Python loop over datums. Masked tokens give exactly 0 and 0 gradient.
     """
     loss_T, metrics = _spec(loss_fn).fn(lp, batch, config)

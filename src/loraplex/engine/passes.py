@@ -52,7 +52,7 @@ def run_pass(
     """Run all requests in one packed pass; per request its result, or the UserError that rejected it.
 
     Semantics: equal to running each request alone, in order: per datum, full-vocabulary fp32 logprobs
-    of its targets under its slot's adapter, its loss per losses.md, and for training requests
+    of its targets under its slot's adapter, its loss per docs/LOSSES.md, and for training requests
     `loss.sum().backward()` into the slot's accumulators. Reference: tests/engine/test_passes.py.
     """
     results: list[PassResult | UserError | None] = [None] * len(requests)

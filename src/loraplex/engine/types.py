@@ -1,7 +1,7 @@
 """Plain data crossing the runtime -> engine boundary: numpy arrays, paths and dataclasses, no torch.
 
 The runtime builds these; the engine consumes them and answers with numpy results. Field
-conventions follow the Tinker protocol (shared/docs/tinker-protocol.md, losses.md).
+conventions follow the Tinker protocol (docs/PROTOCOL.md, docs/LOSSES.md).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class PassResult:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request's tokens are drawn (Tinker's sampling_params, tinker-protocol.md §6.8)."""
+    """How one request's tokens are drawn (Tinker's sampling_params, docs/PROTOCOL.md §6.3)."""
 
     max_tokens: int | None = None  # None = the engine's default, capped by the context length
     temperature: float = 1.0  # 0 = greedy

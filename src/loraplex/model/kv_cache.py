@@ -56,6 +56,7 @@ class KVCache:
         self._num_layers = config.num_hidden_layers
         self._head_shape = (config.num_key_value_heads, config.head_dim)
         self._factory = {"device": device, "dtype": dtype}
+        self._itemsize = dtype.itemsize
         self._lengths: list[int | None] = []  # tokens cached per row; None = the row is free
         self._reserved: list[int] = []  # capacity each live row was allocated for
         self.keys: list[Tensor] = []  # per layer (R, K, C, H)
@@ -72,13 +73,25 @@ class KVCache:
         """Rows holding a sequence."""
         return sum(length is not None for length in self._lengths)
 
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token takes in a row: its keys and values in every layer."""
+        num_kv_heads, head_dim = self._head_shape
+        return 2 * self._num_layers * num_kv_heads * head_dim * self._itemsize
+
+    def bytes_after(self, max_lengths: Sequence[int]) -> int:
+        """Bytes of storage once rows for sequences of `max_lengths` are allocated, as `allocate` would
+        grow it (every row at the largest capacity), without allocating anything."""
+        num_rows, capacity, num_live = len(self._lengths), self.capacity, self.num_live_rows
+        for max_length in max_lengths:
+            num_rows, capacity = _grown(num_rows, num_live, capacity, max_length)
+            num_live += 1
+        return num_rows * capacity * self.bytes_per_token
+
     def allocate(self, max_length: int) -> int:
         """A free row (the lowest) for a sequence of up to `max_length` tokens, growing storage if needed."""
         row = next((r for r, length in enumerate(self._lengths) if length is None), len(self._lengths))
-        num_rows = len(self._lengths) if row < len(self._lengths) else max(8, 2 * len(self._lengths))
-        capacity = self.capacity
-        if max_length > capacity:
-            capacity = max(64, 1 << (max_length - 1).bit_length())
+        num_rows, capacity = _grown(len(self._lengths), self.num_live_rows, self.capacity, max_length)
         if (num_rows, capacity) != (len(self._lengths), self.capacity):
             self._resize(num_rows, capacity)
         self._lengths[row] = 0
@@ -165,6 +178,16 @@ class KVCache:
                 caches.append(grown)
         self._lengths = self._lengths[:num_rows] + [None] * (num_rows - old_rows)
         self._reserved = self._reserved[:num_rows] + [0] * (num_rows - old_rows)
+
+
+def _grown(num_rows: int, num_live_rows: int, capacity: int, max_length: int) -> tuple[int, int]:
+    """(rows, capacity) of storage holding one more live row of up to `max_length` tokens: rows double (to
+    at least 8) when none is free; capacity grows to a power of two (at least 64) when too small."""
+    if num_live_rows == num_rows:
+        num_rows = max(8, 2 * num_rows)
+    if max_length > capacity:
+        capacity = max(64, 1 << (max_length - 1).bit_length())
+    return num_rows, capacity
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,6 @@ class LoRARouting:
             start += length
         return cls(tuple(segments))
 
-    @classmethod
-    def base_only(cls, num_tokens: int) -> LoRARouting:
-        """Every token uses the base model alone."""
-        return cls((Segment(None, 0, num_tokens),) if num_tokens else ())
-
     @property
     def num_tokens(self) -> int:
         """T, the number of tokens routed."""

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import NotFoundError
 from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout
-from loraplex.runtime.store import Store, as_utc
+from loraplex.runtime.store import Store, as_utc, utcnow
 from loraplex.runtime.store.schema import CheckpointRow, RunRow, SamplerRow
 
 
@@ -28,6 +28,8 @@ class CheckpointView:
     size_bytes: int
     expires_at: datetime | None
     user_metadata: dict[str, str]
+    public: bool = False
+    owner: str = ""  # the tenant that saved it
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,16 @@ class RunView:
     user_metadata: dict[str, Any]
     last_checkpoint: CheckpointView | None
     last_sampler_checkpoint: CheckpointView | None
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """A client session and what was made in it."""
+
+    session_id: str
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,44 @@ class Catalog:
             raise NotFoundError(f"checkpoint {path} not found")
         return _checkpoint_view(row)
 
+    def readable_checkpoint(self, tenant: str, path: CheckpointPath) -> CheckpointView:
+        """A checkpoint the tenant may read: its own, or one another tenant published."""
+        row = self._store.get_checkpoint(path.run_id, path.kind, path.name)
+        if row is None or (row.tenant != tenant and not row.public):
+            raise NotFoundError(f"checkpoint {path} not found")
+        return _checkpoint_view(row)
+
+    def readable_run(self, tenant: str, path: CheckpointPath) -> RunView:
+        """The run behind a checkpoint the tenant may read (weights_info of a published checkpoint)."""
+        self.readable_checkpoint(tenant, path)
+        row = self._store.get_run(path.run_id)
+        if row is None:
+            raise NotFoundError(f"training run {path.run_id!r} not found")
+        return self._run_view(row)
+
+    def set_public(self, tenant: str, path: CheckpointPath, public: bool) -> None:
+        """Publish (or unpublish) one of the tenant's checkpoints to every tenant of this server."""
+        self.checkpoint(tenant, path)
+        self._store.update_checkpoint(path.run_id, path.kind, path.name, public=public)
+
+    def set_ttl(self, tenant: str, path: CheckpointPath, ttl_seconds: int | None) -> None:
+        """Make one of the tenant's checkpoints expire `ttl_seconds` from now (None: never)."""
+        self.checkpoint(tenant, path)
+        expires = None if ttl_seconds is None else utcnow() + timedelta(seconds=ttl_seconds)
+        self._store.update_checkpoint(path.run_id, path.kind, path.name, expires_at=expires)
+
+    def session_ids(self, tenant: str, limit: int, offset: int) -> list[str]:
+        """A page of the tenant's session ids, newest first."""
+        return self._store.tenant_session_ids(tenant, limit, offset)
+
+    def session(self, tenant: str, session_id: str) -> SessionView:
+        """One of the tenant's sessions, with its runs and samplers."""
+        row = self._store.get_session(session_id)
+        if row is None or row.tenant != tenant:
+            raise NotFoundError(f"session {session_id!r} not found")
+        runs, samplers = self._store.session_members(session_id)
+        return SessionView(session_id, runs, samplers, row.user_metadata or {})
+
     def delete_checkpoint(self, tenant: str, path: CheckpointPath) -> None:
         """Forget one of the tenant's checkpoints and delete its files."""
         self.checkpoint(tenant, path)
@@ -108,7 +158,7 @@ class Catalog:
         if row.model_path is None:
             return None, None
         source = CheckpointPath.parse(row.model_path)
-        if source.kind == "sampler_weights":
+        if source.kind in ("sampler_weights", "external_weights"):  # already PEFT snapshots
             return self._layout.checkpoint_dir(source), None
         # A training checkpoint holds weights + optimizer state, not a PEFT snapshot: the sampler gets
         # its own export, made once on first use (immutable, like every snapshot).
@@ -146,6 +196,8 @@ def _checkpoint_view(row: CheckpointRow) -> CheckpointView:
         size_bytes=row.size_bytes,
         expires_at=as_utc(row.expires_at) if row.expires_at else None,
         user_metadata=row.user_metadata or {},
+        public=bool(row.public),
+        owner=row.tenant,
     )
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from loraplex.engine.checkpoints import recover_unfinished_writes
 from loraplex.errors import UserError
 
-# tinker path segment -> Tinker checkpoint_type; external_weights exports are not served yet.
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+# tinker path segment -> Tinker checkpoint_type. external_weights: a downloadable PEFT export.
+CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,200}")
@@ -61,7 +61,7 @@ class CheckpointPath:
 
     @property
     def checkpoint_type(self) -> str:
-        """Tinker's checkpoint_type: training or sampler."""
+        """Tinker's checkpoint_type: training, sampler or external."""
         return CHECKPOINT_KINDS[self.kind]
 
     def __str__(self) -> str:

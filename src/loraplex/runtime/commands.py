@@ -18,11 +18,12 @@ __all__ = [
     "CreateRun",
     "CreateRunFromCheckpoint",
     "DatumInput",
+    "ForwardBackward",
     "LoadState",
     "LoraConfig",
     "OptimStep",
-    "Pass",
     "PassResult",
+    "SaveExternal",
     "SaveSnapshot",
     "SaveState",
     "is_batchable",
@@ -52,7 +53,7 @@ class CreateRunFromCheckpoint:
 
 
 @dataclass
-class Pass:
+class ForwardBackward:
     """forward (forward_only) or forward_backward over a run's datums with one loss."""
 
     loss_fn: str
@@ -102,6 +103,17 @@ class SaveSnapshot:
 
 
 @dataclass(frozen=True)
+class SaveExternal:
+    """save_weights_external: a downloadable PEFT export of the adapter (tinker://run/external_weights/name)."""
+
+    name: str
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+
+    request_type = "SaveWeightsExternal"
+
+
+@dataclass(frozen=True)
 class LoadState:
     """Legacy in-place load_weights into an existing run."""
 
@@ -111,9 +123,19 @@ class LoadState:
     request_type = "LoadWeights"
 
 
-Command = CreateRun | CreateRunFromCheckpoint | Pass | OptimStep | SaveState | SaveSnapshot | LoadState
+Command = (
+    CreateRun
+    | CreateRunFromCheckpoint
+    | ForwardBackward
+    | OptimStep
+    | SaveState
+    | SaveSnapshot
+    | SaveExternal
+    | LoadState
+)
 
 
 def is_batchable(command: Command) -> bool:
-    """Passes may share an engine pass with each other and with other runs; the rest are barriers."""
-    return isinstance(command, Pass)
+    """forward_backwards may share an engine pass with each other and with other runs; the rest are
+    barriers."""
+    return isinstance(command, ForwardBackward)

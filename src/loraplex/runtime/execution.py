@@ -9,6 +9,7 @@ worker's alone. No tensors: numpy-level dataclasses in, numpy-level results out.
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import threading
 import time
@@ -23,8 +24,9 @@ from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout, owner_diges
 from loraplex.runtime.commands import (
     CreateRun,
     CreateRunFromCheckpoint,
+    ForwardBackward,
     LoadState,
-    Pass,
+    SaveExternal,
     SaveSnapshot,
     SaveState,
 )
@@ -79,7 +81,7 @@ class Executor:
         requests = []
         for run, entry in items:
             cmd = entry.command
-            assert isinstance(cmd, Pass)
+            assert isinstance(cmd, ForwardBackward)
             requests.append(
                 PassRequest(_slot_of(run), cmd.loss_fn, cmd.loss_fn_config, cmd.datums, cmd.forward_only)
             )
@@ -96,7 +98,10 @@ class Executor:
         metrics = self.engine.optim_step(steps)
         for run, _ in items:
             run.pending_gradients = False
-        self.futures.finish({entry.future_id: {"metrics": metrics[run.slot]} for run, entry in items})  # type: ignore[index]
+        # A skipped step's grad_norm is NaN or inf, which JSON cannot carry and the SDK's float metrics
+        # refuse: it is left out; skipped_nonfinite says why.
+        finite = {slot: {k: v for k, v in m.items() if math.isfinite(v)} for slot, m in metrics.items()}
+        self.futures.finish({entry.future_id: {"metrics": finite[run.slot]} for run, entry in items})  # type: ignore[index]
 
     def _run_barrier(self, run: RunState, entry: Entry) -> None:
         try:
@@ -111,7 +116,10 @@ class Executor:
         slot = _slot_of(run)
         if isinstance(cmd, LoadState):
             self.engine.load_state(
-                self.layout.checkpoint_dir(cmd.source), owner, cmd.with_optimizer, slot=slot
+                self.layout.checkpoint_dir(cmd.source),
+                self.source_owner(cmd.source),
+                cmd.with_optimizer,
+                slot=slot,
             )
             run.pending_gradients = False
             return {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
@@ -119,6 +127,10 @@ class Executor:
             path = CheckpointPath(run.run_id, "weights", cmd.name)
             self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_state(slot, d, owner))
             return {"path": str(path), "type": "save_weights"}
+        if isinstance(cmd, SaveExternal):
+            path = CheckpointPath(run.run_id, "external_weights", cmd.name)
+            size = self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_snapshot(slot, d))
+            return {"path": str(path), "size_bytes": size, "type": "save_weights_external"}
         if isinstance(cmd, SaveSnapshot) and cmd.name is not None:
             path = CheckpointPath(run.run_id, "sampler_weights", cmd.name)
             self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_snapshot(slot, d))
@@ -146,8 +158,12 @@ class Executor:
         raise ServerError(f"no executor for command {type(cmd).__name__}")
 
     def _save_checkpoint(
-        self, run: RunState, path: CheckpointPath, cmd: SaveState | SaveSnapshot, write: Callable[[Path], int]
-    ) -> None:
+        self,
+        run: RunState,
+        path: CheckpointPath,
+        cmd: SaveState | SaveSnapshot | SaveExternal,
+        write: Callable[[Path], int],
+    ) -> int:
         if not getattr(cmd, "overwrite", False) and self.store.get_checkpoint(
             run.run_id, path.kind, path.name
         ):
@@ -169,6 +185,15 @@ class Executor:
                 user_metadata=cmd.user_metadata,
             )
         )
+        return size
+
+    def source_owner(self, path: CheckpointPath) -> str:
+        """The owner digest stamped into a checkpoint: its saver's (a published one may be another
+        tenant's; the service checked the reader may read it)."""
+        row = self.store.get_checkpoint(path.run_id, path.kind, path.name)
+        if row is None:
+            raise UserError(f"checkpoint {path} not found")
+        return owner_digest(row.tenant)
 
     # --- residency
     def park(self, run: RunState) -> bool:
@@ -216,7 +241,7 @@ class Executor:
             elif isinstance(cmd, CreateRunFromCheckpoint):
                 source = self.layout.checkpoint_dir(cmd.source)
                 run.slot, run.lora_config = self.engine.load_state(
-                    source, owner_digest(run.tenant), cmd.with_optimizer
+                    source, self.source_owner(cmd.source), cmd.with_optimizer
                 )
                 result = {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
             else:

@@ -2,10 +2,12 @@
 
 - Finished futures are kept `future_retention_s` after they finished, then deleted; retrieving one
   afterwards is a 404 that says results are kept that long.
-- A sampler's own weights (the unnamed snapshot behind save_weights_and_get_sampling_client, one per RL
-  step, or the export made for a sampler over a training checkpoint) go with the sampler once no client
-  can reach it: its session finished; or its session stopped heartbeating and the sampler has not been
-  used for `session_timeout_s`; or it has not been used for `snapshot_idle_s`.
+- A sampler goes once no client can reach it: its session finished, or its session stopped heartbeating
+  and the sampler has not been used for `session_timeout_s`. A sampler with weights of its own (the
+  unnamed snapshot behind save_weights_and_get_sampling_client, one per RL step, or the export made for
+  a sampler over a training checkpoint) also goes, with those weights, once unused for
+  `snapshot_idle_s`. Samplers over named checkpoints or the base model cost a row and stay while their
+  session lives.
 - Named checkpoints saved with a TTL (or given one later) are deleted once it runs out.
 - Nothing that a queued or running request reads is deleted: the caller passes those directories as
   `in_use`, and the sweep runs on the engine worker's thread, between the cycles that read them.
@@ -108,15 +110,16 @@ class Retention:
         return removal
 
     def _unreachable(self, row: SamplerRow, session: SessionRow | None, now: datetime) -> bool:
-        """Whether no client can use this sampler any more (module docstring)."""
+        """Whether the sampler goes (module docstring): its session is gone, or silent and the sampler
+        unused; or it holds weights of its own that nobody used for snapshot_idle_s."""
         last_used = as_utc(row.last_used_at or row.created_at)
-        if now - last_used >= _seconds(self.policy.snapshot_idle_s):
-            return True
         if session is None or session.finished_reason is not None:
             return True
-        silent_since = as_utc(session.last_heartbeat_at)
         timeout = _seconds(self.policy.session_timeout_s)
-        return now - silent_since >= timeout and now - last_used >= timeout
+        if now - as_utc(session.last_heartbeat_at) >= timeout and now - last_used >= timeout:
+            return True
+        idle = _seconds(self.policy.snapshot_idle_s)
+        return self._own_weights(row) is not None and now - last_used >= idle
 
     def _own_weights(self, row: SamplerRow) -> Path | None:
         """The weights directory that belongs to the sampler alone (never a named checkpoint)."""

@@ -14,7 +14,8 @@ Residency, planned here so that packing and parking cannot undo each other:
 - A run holding gradients not yet stepped is pinned: it is not parked to make room, so a forward_backward
   and its optim_step see the same accumulators.
 - Runs without a slot that have work wait in one queue, oldest first. When there are more of them than free
-  slots, unpinned resident runs are parked for them: idle ones first, then the least recently active. A
+  slots, unpinned resident runs are parked for them: idle ones first, then the least recently active; never
+  a run given its slot for work that has not been planned yet (else runs would swap slots without end). A
   waiter that has waited `slot_wait_s` may take a pinned run's slot; that run is parked with its
   gradients, which come back exactly (a client holding gradients on one run while it waits on another
   must not deadlock).
@@ -32,13 +33,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from loraplex.runtime.commands import OptimStep, Pass, is_batchable
+from loraplex.runtime.commands import ForwardBackward, OptimStep, is_batchable
 from loraplex.runtime.run_queue import LOST, Entry, RunState
 
 
 @dataclass
 class PassWork:
-    """Pass commands of any runs and tenants, run as one engine pass."""
+    """forward_backward commands of any runs and tenants, run as one engine pass."""
 
     items: list[tuple[RunState, Entry]]
 
@@ -74,7 +75,7 @@ class Plan:
 
 
 # Each run with its leading ready commands that can join a pass (computed once per plan).
-Passes = list[tuple[RunState, list[Entry]]]
+Joinable = list[tuple[RunState, list[Entry]]]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class Scheduler:
     _rotation: int = 0
     _trained_at: dict[str, float] = field(default_factory=dict)  # run id -> time of its last pass
     _passed_last: bool = False  # the previous plan was a pass
+    _admitted: set[str] = field(default_factory=set)  # runs given a slot that have had no work planned since
 
     def plan(self, runs: Iterable[RunState], now: float) -> Plan:
         """Pop the next work items from the runs' queues (call under the service lock); `now` is
@@ -111,12 +113,18 @@ class Scheduler:
         for item in work:
             for run, _ in work_items(item):
                 run.last_active = now
+                self._admitted.discard(run.run_id)
+        self._admitted.update(run.run_id for run in admits)
         return Plan(parks, admits, work)
 
     def _residency(self, runs: list[RunState], now: float) -> tuple[list[RunState], list[RunState]]:
         """Which resident runs to park and which waiting runs get a slot (see the module docstring)."""
         resident = [run for run in runs if run.slot is not None]
         waiting = [run for run in runs if run.slot is None and run.status != LOST and run.queue.ready()]
+        # A run given a slot keeps it until the work it waited for has been planned: parked again first, it
+        # would hand the slot straight back to the next waiter, and runs would swap slots without end.
+        self._admitted = {r.run_id for r in resident if r.run_id in self._admitted and r.queue.ready()}
+        movable = [run for run in resident if run.run_id not in self._admitted]
         for run in waiting:
             if run.waiting_since is None:
                 run.waiting_since = run.queue.ready()[0].arrived_at
@@ -124,13 +132,13 @@ class Scheduler:
         free = self.capacity - len(resident)
         if len(waiting) <= free:
             return [], waiting
-        parks = sorted((r for r in resident if not r.pending_gradients), key=_park_order)
+        parks = sorted((r for r in movable if not r.pending_gradients), key=_park_order)
         parks = parks[: len(waiting) - free]
         short = len(waiting) - free - len(parks)
         if short:
             oldest = waiting[free + len(parks)].waiting_since or now
             if now - oldest >= self.slot_wait_s:
-                pinned = sorted((r for r in resident if r.pending_gradients), key=_park_order)
+                pinned = sorted((r for r in movable if r.pending_gradients), key=_park_order)
                 parks += pinned[:short]
             else:
                 self.wake_at = oldest + self.slot_wait_s
@@ -163,7 +171,7 @@ class Scheduler:
                 plan.append(BarrierWork(run, run.queue.pop(1)[0]))
         return plan
 
-    def _gathering(self, runs: list[RunState], passes: Passes, now: float) -> bool:
+    def _gathering(self, runs: list[RunState], passes: Joinable, now: float) -> bool:
         """Whether to hold the ready passes for recently active runs that have sent nothing yet."""
         live = {run.run_id for run in runs}
         self._trained_at = {
@@ -180,7 +188,7 @@ class Scheduler:
         self.wake_at = deadline if self.wake_at is None else min(self.wake_at, deadline)
         return True
 
-    def _take_passes(self, passes: Passes) -> list[tuple[RunState, Entry]]:
+    def _take_passes(self, passes: Joinable) -> list[tuple[RunState, Entry]]:
         """Round-robin over tenants, one command at a time, until the token budget is used.
 
         A tenant whose next command does not fit stops for this pass (keeping its runs in order);
@@ -236,7 +244,7 @@ def _leading_passes(run: RunState) -> list[Entry]:
 
 
 def _tokens(entry: Entry) -> int:
-    assert isinstance(entry.command, Pass)
+    assert isinstance(entry.command, ForwardBackward)
     return entry.command.num_tokens
 
 

@@ -27,11 +27,14 @@ from loraplex.runtime.commands import (
     Command,
     CreateRun,
     CreateRunFromCheckpoint,
+    ForwardBackward,
     LoadState,
-    Pass,
+    SaveExternal,
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.downloads import DownloadSigner
+from loraplex.runtime.engine_loop import EngineLoop
 from loraplex.runtime.execution import Executor, lost_run_error
 from loraplex.runtime.futures import FutureRecord, FutureTable
 from loraplex.runtime.keys import TenantResolver
@@ -42,7 +45,6 @@ from loraplex.runtime.scheduler import Gathering, Scheduler
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
 from loraplex.runtime.store.schema import SamplerRow
-from loraplex.runtime.worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,7 @@ class TrainingService:
         self.sessions = SessionTable(store, config.session_timeout_s)
         self.catalog = Catalog(store, self.layout)
         self.tenants = TenantResolver(store, config.auth)
+        self.downloads = DownloadSigner(config.data_dir)
         self._cond = threading.Condition()
         self._runs: dict[str, RunState] = {}  # every run this server knows
         self._active: dict[str, RunState] = {}  # the runs the scheduler looks at: resident or with commands
@@ -72,7 +75,7 @@ class TrainingService:
             config.slot_wait_s,
         )
         executor = Executor(engine, store, self.futures, self.layout, self._runs, self._cond)
-        self.worker = EngineWorker(
+        self.engine_loop = EngineLoop(
             engine,
             executor,
             self.futures,
@@ -87,6 +90,7 @@ class TrainingService:
                 RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s),
             ),
             config.retention_sweep_s,
+            config.seq_gap_timeout_s,
             config.max_prefill_tokens,
             self._cond,
         )
@@ -104,11 +108,12 @@ class TrainingService:
 
     def start(self) -> None:
         """Start the engine worker."""
-        self.worker.start()
+        self.engine_loop.start()
 
     def stop(self) -> None:
-        """Stop the engine worker and close the database."""
-        self.worker.stop()
+        """Stop the engine worker, park the runs it held (so a restart resumes them), close the database."""
+        self.engine_loop.stop()
+        self.engine_loop.park_all()
         self.store.close()
 
     # --- runs
@@ -121,6 +126,8 @@ class TrainingService:
             existing = self._runs.get(run_id)
         if existing is not None:
             return self._resubmitted(existing, tenant, 0)
+        if (first := self.store.future_id_for(run_id, 0)) is not None:  # a create that failed before
+            return self.futures.get(first, tenant)
         self._check_new_run(tenant, command)
         run = RunState(
             run_id,
@@ -183,7 +190,7 @@ class TrainingService:
             self.catalog.sampler(tenant, existing.id)
             return sampler_id
         if model_path is not None:
-            self.catalog.checkpoint(tenant, CheckpointPath.parse(model_path))
+            self.catalog.readable_checkpoint(tenant, CheckpointPath.parse(model_path))
         elif base_model is not None:
             self._check_base_model(base_model)
         else:
@@ -326,7 +333,7 @@ class TrainingService:
 
     def _check_command(self, run: RunState, command: Command) -> None:
         """Everything checkable before execution: limits, names, references, the engine's input rules."""
-        if isinstance(command, Pass):
+        if isinstance(command, ForwardBackward):
             self._check_limits(command)
             # The slot is the worker's to change: validation reads only the request.
             self.engine.validate_pass_request(
@@ -334,17 +341,15 @@ class TrainingService:
                     None, command.loss_fn, command.loss_fn_config, command.datums, command.forward_only
                 )
             )
-        elif isinstance(command, SaveState | SaveSnapshot) and command.name is not None:
+        elif isinstance(command, SaveState | SaveSnapshot | SaveExternal) and command.name is not None:
             validate_name(command.name)
         elif isinstance(command, LoadState):
             self._check_source(run.tenant, command.source, command.with_optimizer)
         elif isinstance(command, CreateRun | CreateRunFromCheckpoint):
             raise UserError(f"training run {run.run_id} already exists")
 
-    def _check_limits(self, command: Pass) -> None:
+    def _check_limits(self, command: ForwardBackward) -> None:
         cfg = self.config
-        if not command.datums:
-            raise UserError("forward_backward needs at least one datum")
         _check_limit(
             f"request has {len(command.datums)} datums", len(command.datums), cfg.max_datums_per_request
         )
@@ -357,7 +362,7 @@ class TrainingService:
         )
 
     def _check_source(self, tenant: str, source: CheckpointPath, with_optimizer: bool) -> None:
-        self.catalog.checkpoint(tenant, source)
+        self.catalog.readable_checkpoint(tenant, source)
         if with_optimizer and source.kind != "weights":
             raise UserError(
                 f"{source} holds no optimizer state; load it without the optimizer or use a weights/ path"

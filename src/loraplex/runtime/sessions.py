@@ -56,8 +56,11 @@ class SessionTable:
         return row
 
     def heartbeat(self, session_id: str, tenant: str) -> None:
-        """Renew the lease; SessionGoneError once the session is finished."""
-        row = self.owned(session_id, tenant)
+        """Renew the lease; SessionGoneError (410, which stops the SDK's heartbeat loop) once the session
+        is finished, or for a session this tenant does not have (a 404 would be retried forever)."""
+        row = self._store.get_session(session_id)
+        if row is None or row.tenant != tenant:
+            raise SessionGoneError(f"session {session_id!r} not found")
         if row.finished_reason is not None:
             raise SessionGoneError(f"session {session_id!r} is finished ({row.finished_reason})")
         with self._lock:

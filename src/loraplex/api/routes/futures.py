@@ -1,4 +1,4 @@
-"""retrieve_future: the long-poll every submission's result comes back through (tinker-protocol.md §3)."""
+"""retrieve_future: the long-poll every submission's result comes back through (docs/PROTOCOL.md §5)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from loraplex.api.codecs import (
     encode_forward_backward_output,
     encode_sample_response,
     forward_backward_output_json,
+    json_safe,
     sample_response_json,
 )
 from loraplex.api.wire import RetrieveFutureRequest
@@ -40,7 +41,7 @@ async def retrieve_future(
     if record.status == "failed":
         return JSONResponse({"error": record.error, "category": record.category})
     if (encodings := _ENCODINGS.get(type(record.result))) is None:
-        return JSONResponse(record.result)
+        return JSONResponse(json_safe(record.result))
     to_proto, to_json = encodings
     if PROTOBUF in request.headers.get("accept", ""):
         return Response(to_proto(record.result), media_type=PROTOBUF)

@@ -1,8 +1,11 @@
-"""REST routes of RestClient: training runs, checkpoints (list, delete), weights_info. All owner-checked."""
+"""REST routes of RestClient: training runs, checkpoints (list, delete), weights_info. All owner-checked.
+
+Handlers that read or write the database are plain `def`: FastAPI runs them on its worker threads, never
+on the event loop."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
@@ -12,10 +15,13 @@ from loraplex.runtime.checkpoints import CheckpointPath
 
 router = APIRouter()
 
+# The database takes a 64-bit OFFSET; a larger one is a 422 here.
+Offset = Annotated[int, Query(ge=0, lt=2**63)]
+
 
 @router.get("/training_runs")
-async def list_runs(
-    service: Service, tenant: Tenant, limit: int = Query(20, ge=1, le=1000), offset: int = Query(0, ge=0)
+def list_runs(
+    service: Service, tenant: Tenant, limit: int = Query(20, ge=1, le=1000), offset: Offset = 0
 ) -> dict[str, Any]:
     runs, total = service.catalog.runs(tenant, limit, offset)
     cursor = {"offset": offset, "limit": limit, "total_count": total}
@@ -23,12 +29,12 @@ async def list_runs(
 
 
 @router.get("/training_runs/{run_id}")
-async def get_run(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
+def get_run(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
     return training_run_json(service.catalog.run(tenant, run_id))
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_run_checkpoints(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
+def list_run_checkpoints(run_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
     return {
         "checkpoints": [checkpoint_json(c) for c in service.catalog.checkpoints(tenant, run_id)],
         "cursor": None,
@@ -36,16 +42,14 @@ async def list_run_checkpoints(run_id: str, service: Service, tenant: Tenant) ->
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(
-    run_id: str, checkpoint_id: str, service: Service, tenant: Tenant
-) -> dict[str, str]:
+def delete_checkpoint(run_id: str, checkpoint_id: str, service: Service, tenant: Tenant) -> dict[str, str]:
     service.catalog.delete_checkpoint(tenant, CheckpointPath.parse(f"tinker://{run_id}/{checkpoint_id}"))
     return {"status": "deleted"}
 
 
 @router.get("/checkpoints")
-async def list_checkpoints(
-    service: Service, tenant: Tenant, limit: int = Query(100, ge=1, le=1000), offset: int = Query(0, ge=0)
+def list_checkpoints(
+    service: Service, tenant: Tenant, limit: int = Query(100, ge=1, le=1000), offset: Offset = 0
 ) -> dict[str, Any]:
     views, total = service.catalog.tenant_checkpoints(tenant, limit, offset)
     cursor = {"offset": offset, "limit": limit, "total_count": total}
@@ -53,8 +57,6 @@ async def list_checkpoints(
 
 
 @router.post("/weights_info")
-async def weights_info(body: WeightsInfoRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    path = CheckpointPath.parse(body.tinker_path)
-    service.catalog.checkpoint(tenant, path)
-    run = service.catalog.run(tenant, path.run_id)
+def weights_info(body: WeightsInfoRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    run = service.catalog.readable_run(tenant, CheckpointPath.parse(body.tinker_path))
     return {"base_model": run.base_model, **lora_info_json(run.lora_config)}

@@ -1,5 +1,8 @@
 """Sampling routes: sampling sessions (create, describe) and asample, answered at once with a future that
-promises one sequence id per sample; the SampleResponse comes from retrieve_future."""
+promises one sequence id per sample; the SampleResponse comes from retrieve_future.
+
+Handlers that read or write the database are plain `def`: FastAPI runs them on its worker threads, never
+on the event loop."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ router = APIRouter()
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(
+def create_sampling_session(
     body: CreateSamplingSessionRequest, service: Service, tenant: Tenant
 ) -> dict[str, Any]:
     sampler_id = service.create_sampler(
@@ -25,12 +28,12 @@ async def create_sampling_session(
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
+def get_sampler(sampler_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
     view = service.catalog.sampler(tenant, sampler_id)
     return {"sampler_id": view.sampler_id, "base_model": view.base_model, "model_path": view.model_path}
 
 
 @router.post("/asample")
-async def asample(body: AsampleRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+def asample(body: AsampleRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
     record = service.sample(tenant, body.sampling_session_id, body.seq_id, body.to_request())
     return {"request_id": record.id, "sample_sequence_ids": sample_sequence_ids(record.id, body.num_samples)}

@@ -1,4 +1,7 @@
-"""Service and session routes: client config, health, capabilities, telemetry, sessions and heartbeats."""
+"""Service and session routes: client config, health, capabilities, telemetry, sessions and heartbeats.
+
+Handlers that read or write the database are plain `def`: FastAPI runs them on its worker threads, never
+on the event loop."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from loraplex.api.wire import CreateSessionRequest, FinishRequest, SessionReques
 
 router = APIRouter()
 
-# Feature flags for the SDK (tinker-protocol.md §4.1). Chunks are submitted in parallel (the run
+# Feature flags for the SDK (docs/PROTOCOL.md §6.1). Chunks are submitted in parallel (the run
 # queue reorders them); every optional flag stays off.
 CLIENT_CONFIG: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
 
@@ -49,18 +52,18 @@ async def telemetry(_tenant: Tenant) -> dict[str, str]:
 
 
 @router.post("/create_session")
-async def create_session(body: CreateSessionRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+def create_session(body: CreateSessionRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
     session_id = service.sessions.create(tenant, body.user_metadata)
     return {"session_id": session_id, "type": "create_session"}
 
 
 @router.post("/session_heartbeat")
-async def heartbeat(body: SessionRequest, service: Service, tenant: Tenant) -> dict[str, str]:
+def heartbeat(body: SessionRequest, service: Service, tenant: Tenant) -> dict[str, str]:
     service.sessions.heartbeat(body.session_id, tenant)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish(session_id: str, body: FinishRequest, service: Service, tenant: Tenant) -> dict[str, str]:
+def finish(session_id: str, body: FinishRequest, service: Service, tenant: Tenant) -> dict[str, str]:
     service.sessions.finish(session_id, tenant, body.reason.type)
     return {"status": "finished"}

@@ -24,11 +24,9 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.auth import Service, Tenant
 from loraplex.api.codecs import (
-    MAX_BODY_BYTES,
-    PayloadTooLargeError,
     decompress,
+    forward_backward_command,
     parse_forward_backward,
-    pass_command,
 )
 from loraplex.api.wire import (
     CreateModelRequest,
@@ -38,6 +36,7 @@ from loraplex.api.wire import (
     SaveWeightsExternalRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
+    describe_errors,
     lora_info_json,
 )
 from loraplex.errors import UserError
@@ -82,7 +81,7 @@ async def _submit_ordered(
         body = wire.model_validate_json(raw)
         command = to_command(body)
     except (ValidationError, UserError) as error:
-        refusal = UserError(_describe(error)) if isinstance(error, ValidationError) else error
+        refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
         model_id, seq_id = _run_and_seq_id(raw, refusal)
         record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, request_type, refusal)
         return _future(record, model_id)
@@ -101,12 +100,6 @@ def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
     if not isinstance(model_id, str) or isinstance(seq_id, bool) or not isinstance(seq_id, int):
         raise UnprocessableBodyError(str(refusal))
     return model_id, seq_id
-
-
-def _describe(error: ValidationError) -> str:
-    """A validation error as one line per field, without echoing the values (they may be huge, or NaN)."""
-    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in error.errors()]
-    return "invalid request body: " + "; ".join(problems)
 
 
 @router.post("/create_model")
@@ -162,13 +155,11 @@ async def get_info(body: ModelRequest, service: Service, tenant: Tenant) -> dict
 @router.post("/forward")
 async def forward_backward(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
     """forward and forward_backward share this handler: the proto's forward_only says which."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise PayloadTooLargeError(f"body exceeds {MAX_BODY_BYTES} bytes")
     body = decompress(await request.body(), request.headers.get("content-encoding"))
     msg = parse_forward_backward(body)
     model_id, seq_id = msg.model_id, msg.seq_id
     try:
-        command = pass_command(msg)
+        command = forward_backward_command(msg)
     except UserError as refusal:
         record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal)
         return _future(record, model_id)
@@ -201,12 +192,11 @@ async def save_weights_for_sampler(request: Request, service: Service, tenant: T
 
 @router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
 async def save_weights_external(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
-    def unsupported(_body: SaveWeightsExternalRequest) -> Command:
-        raise UserError(
-            "save_weights_external (a downloadable HF/PEFT export) is not supported by this server; "
-            "save_weights_for_sampler writes a PEFT snapshot on the server"
-        )
-
     return await _submit_ordered(
-        request, service, tenant, SaveWeightsExternalRequest, "SaveWeightsExternal", unsupported
+        request,
+        service,
+        tenant,
+        SaveWeightsExternalRequest,
+        "SaveWeightsExternal",
+        SaveWeightsExternalRequest.to_command,
     )

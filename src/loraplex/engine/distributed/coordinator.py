@@ -23,15 +23,15 @@ from pathlib import Path
 from loraplex.engine.distributed.group import RankEnv, RankGroup, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
 from loraplex.engine.distributed.protocol import (
-    Command,
     FreeSlot,
     GatherGradients,
-    OptimStep,
     Ping,
+    RankCommand,
     RankError,
     Rollback,
     RunPass,
     Shutdown,
+    StepSlots,
     SyncSlot,
     gather_replies,
     scatter_commands,
@@ -132,7 +132,7 @@ class DistributedEngine(Engine):
             return {}
         for slot in steps:
             self.local.pool.get(slot)  # NotFoundError before anything is sent
-        return self._exchange([OptimStep(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
+        return self._exchange([StepSlots(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
 
     # --- slots: changed on rank 0 first, then copied
     def create_slot(self, config: LoraConfig) -> int:
@@ -197,7 +197,7 @@ class DistributedEngine(Engine):
         return self.local.has_sampling_work()
 
     # --- exchanges, failure and shutdown
-    def _exchange(self, commands: list[Command]) -> list[object]:
+    def _exchange(self, commands: list[RankCommand]) -> list[object]:
         """Send one command per rank, run rank 0's, and return every rank's reply in rank order."""
         if self._closing.is_set():
             raise ServerError("the engine was shut down")
@@ -205,7 +205,7 @@ class DistributedEngine(Engine):
             self._raise_if_failed()
             return self._exchange_locked(commands)
 
-    def _exchange_locked(self, commands: list[Command]) -> list[object]:
+    def _exchange_locked(self, commands: list[RankCommand]) -> list[object]:
         try:
             own = scatter_commands(self._group, commands)
             replies = gather_replies(self._group, answer(own, self.local, self._group))

@@ -24,7 +24,7 @@ class RunPass:
 
 
 @dataclass(frozen=True)
-class OptimStep:
+class StepSlots:
     """All-reduce the stepped slots' gradients in one collective, then take the same fused step."""
 
     steps: dict[int, AdamParams]
@@ -69,9 +69,9 @@ class Shutdown:
     """Leave the command loop and the group; not answered."""
 
 
-Command = RunPass | OptimStep | Rollback | GatherGradients | SyncSlot | FreeSlot | Ping | Shutdown
+RankCommand = RunPass | StepSlots | Rollback | GatherGradients | SyncSlot | FreeSlot | Ping | Shutdown
 # Commands that change slots as one transaction across the ranks: a failed share fails them on every rank.
-TRANSACTIONAL = (RunPass, OptimStep)
+TRANSACTIONAL = (RunPass, StepSlots)
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class RankError:
     message: str
 
 
-def scatter_commands(group: RankGroup, commands: list[Command] | None) -> Command:
+def scatter_commands(group: RankGroup, commands: list[RankCommand] | None) -> RankCommand:
     """Rank 0 passes one command per rank (others pass None); every rank returns its own."""
-    received: list[Command | None] = [None]
+    received: list[RankCommand | None] = [None]
     dist.scatter_object_list(received, commands, src=0, group=group.control)
     assert received[0] is not None  # the object collective filled it
     return received[0]

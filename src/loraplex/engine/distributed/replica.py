@@ -14,14 +14,14 @@ import torch
 from loraplex.engine.distributed.group import RankGroup, all_reduce_flat, broadcast_flat
 from loraplex.engine.distributed.protocol import (
     TRANSACTIONAL,
-    Command,
     FreeSlot,
     GatherGradients,
-    OptimStep,
     Ping,
+    RankCommand,
     RankError,
     Rollback,
     RunPass,
+    StepSlots,
     SyncSlot,
 )
 from loraplex.engine.local import LocalEngine
@@ -32,7 +32,7 @@ from loraplex.errors import ServerError
 log = logging.getLogger(__name__)
 
 
-def answer(command: Command, engine: LocalEngine, group: RankGroup) -> object:
+def answer(command: RankCommand, engine: LocalEngine, group: RankGroup) -> object:
     """Execute `command` and return this rank's reply.
 
     A failed share of a pass or step becomes a RankError reply and the group stays usable: the local
@@ -48,11 +48,11 @@ def answer(command: Command, engine: LocalEngine, group: RankGroup) -> object:
         return RankError(group.rank, f"{type(error).__name__}: {error}")
 
 
-def execute(command: Command, engine: LocalEngine, group: RankGroup) -> object:
+def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> object:
     """This rank's part of `command`; the reply rank 0 gathers."""
     if isinstance(command, RunPass):
         return engine.run_pass(command.requests, keep_undo=True)
-    if isinstance(command, OptimStep):
+    if isinstance(command, StepSlots):
         return step_replicas(engine, command.steps, group)
     if isinstance(command, Rollback):
         return engine.undo_last()

@@ -1,6 +1,8 @@
 """Continuous batching: many requests of many snapshots share every prefill and every decode step.
 
-A request waits until admitted. Admission prefills its prompt once (packed with the other prompts
+A request waits until admitted: FIFO, while decode rows, the prefill budget and the KV-cache budget
+(SamplingLimits.kv_budget_bytes, the storage the cache would then hold) allow; a request alone always
+runs. Admission prefills its prompt once (packed with the other prompts
 admitted in the same step) into a KV-cache row, copies that row for each further sample, scores the
 prompt if asked and draws every sample's first token from the prompt's last position. Each step then
 feeds every active sequence's last token at once, the batch ordered by snapshot so that each
@@ -28,7 +30,12 @@ from loraplex.engine.sampler.prompt_scores import PromptScores, score_prompt
 from loraplex.engine.sampler.sampling import draw_tokens
 from loraplex.engine.sampler.snapshot_cache import SnapshotCache
 from loraplex.engine.sampler.stops import StopChecker, read_eos_token_ids
-from loraplex.engine.sampler.validation import ModelLimits, resolved_max_tokens, validate_sample_request
+from loraplex.engine.sampler.validation import (
+    ModelLimits,
+    SamplingLimits,
+    resolved_max_tokens,
+    validate_sample_request,
+)
 from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
@@ -90,6 +97,7 @@ class Sampler:
         self.max_context_length = max_context_length
         self.max_batch = max_batch  # rows of a decode step; a request's samples are never split
         self.chunk_size = chunk_size
+        self.limits = SamplingLimits()  # none beyond the model's until the server sets its own
         self.cache = self._new_cache()
         self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity)
         self._waiting: deque[tuple[str, SampleRequest]] = deque()
@@ -113,6 +121,8 @@ class Sampler:
             max_context_length=self.max_context_length,
             max_samples=self.max_batch,
             can_match_strings=self.tokenizer is not None,
+            kv_bytes_per_token=self.cache.bytes_per_token,
+            sampling=self.limits,
         )
         validate_sample_request(request, limits)
 
@@ -183,6 +193,8 @@ class Sampler:
             over_budget = budget is not None and prompt_tokens > budget
             if rows > self.max_batch or (admitted and over_budget):
                 break
+            if self._jobs and not self._fits_kv_budget(request):  # waits for running requests to finish
+                break
             snapshot_id = None
             if request.snapshot is not None:
                 try:
@@ -198,9 +210,18 @@ class Sampler:
             admitted.append(self._jobs[key])
         return admitted
 
+    def _fits_kv_budget(self, request: SampleRequest) -> bool:
+        """Whether the cache, once it holds rows for the request's samples, stays within the KV budget."""
+        budget = self.limits.kv_budget_bytes
+        lengths = [self._row_length(request)] * request.num_samples
+        return budget is None or self.cache.bytes_after(lengths) <= budget
+
+    def _row_length(self, request: SampleRequest) -> int:
+        """Tokens a cache row of the request holds at most: the last sampled token is never fed back."""
+        return len(request.prompt) + resolved_max_tokens(request, self.max_context_length) - 1
+
     def _new_job(self, request: SampleRequest, snapshot_id: int | None) -> _Job:
         """Cache rows, generators (one per sample, from the request's seed) and stop state per sample."""
-        prompt_length = len(request.prompt)
         max_tokens = resolved_max_tokens(request, self.max_context_length)
         params = request.params
         stop_ids = _stop_token_ids(params.stop, self.eos_token_ids)
@@ -208,8 +229,7 @@ class Sampler:
         seeds = np.random.SeedSequence(params.seed).spawn(request.num_samples)
         sequences = [
             _Sequence(
-                # The last sampled token is never fed back, so it needs no cache slot.
-                row=self.cache.allocate(prompt_length + max_tokens - 1),
+                row=self.cache.allocate(self._row_length(request)),
                 params=params,
                 max_tokens=max_tokens,
                 generator=torch.Generator().manual_seed(int(seed.generate_state(1, np.uint64)[0])),

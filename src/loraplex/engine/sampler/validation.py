@@ -1,4 +1,5 @@
-"""Checking a SampleRequest before it is queued: every field against what the model can serve.
+"""Checking a SampleRequest before it is queued: every field against what the model can serve and what
+the operator allows one request (SamplingLimits).
 
 Cheap (numpy and a few file stats, no torch) and side-effect free; each error names the Tinker field,
 the value and what is allowed. Engine code: no HTTP, no SQL.
@@ -20,6 +21,17 @@ from loraplex.errors import NotFoundError, UserError
 # max_tokens when a request leaves it out (Tinker's client does when None), capped by the context left.
 DEFAULT_MAX_TOKENS = 128
 _SEED_LIMIT = 2**64
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What the operator lets sampling use (the server's --max-topk-prompt-logprobs, --max-sample-kv-mib
+    and --sample-kv-budget-mib); None = nothing beyond the model's own limits."""
+
+    max_topk_prompt_logprobs: int | None = None
+    max_request_kv_bytes: int | None = None  # (prompt + max_tokens) × num_samples × KV bytes per token
+    kv_budget_bytes: int | None = None  # the KV cache of every running request, as allocated
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,8 @@ class ModelLimits:
     max_context_length: int
     max_samples: int  # num_samples of one request, at most the decode batch
     can_match_strings: bool  # a tokenizer is available for stop strings
+    kv_bytes_per_token: int  # one token's keys and values, every layer
+    sampling: SamplingLimits
 
 
 def resolved_max_tokens(request: SampleRequest, max_context_length: int) -> int:
@@ -54,9 +68,10 @@ def validate_sample_request(request: SampleRequest, limits: ModelLimits) -> None
     _check_params(request, len(prompt), limits)
     if not isinstance(request.prompt_logprobs, bool):
         raise UserError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
-    _check_int("topk_prompt_logprobs", request.topk_prompt_logprobs, 0, limits.vocab_size)
+    _check_topk(request.topk_prompt_logprobs, limits)
     if request.prompt_logprobs_last_n is not None:
         _check_int("prompt_logprobs_last_n", request.prompt_logprobs_last_n, 0, limits.max_context_length)
+    _check_kv_cache(request, len(prompt), limits)
     if request.snapshot is not None and not (Path(request.snapshot) / CONFIG_FILE).is_file():
         raise NotFoundError(f"sampler weights {Path(request.snapshot).name} do not exist (no {CONFIG_FILE})")
 
@@ -89,6 +104,28 @@ def _check_params(request: SampleRequest, prompt_length: int, limits: ModelLimit
             _check_ids("sampling_params.stop", np.asarray([item]), limits.vocab_size)
         else:
             raise UserError(f"sampling_params.stop items must be strings or token ids, got {item!r}")
+
+
+def _check_topk(k: int, limits: ModelLimits) -> None:
+    cap = limits.sampling.max_topk_prompt_logprobs
+    if cap is None or cap >= limits.vocab_size:
+        _check_int("topk_prompt_logprobs", k, 0, limits.vocab_size)
+    else:
+        _check_int("topk_prompt_logprobs", k, 0, cap, " (this server's --max-topk-prompt-logprobs)")
+
+
+def _check_kv_cache(request: SampleRequest, prompt_length: int, limits: ModelLimits) -> None:
+    """Refuse a request whose samples would need more KV cache than one request may have."""
+    cap = limits.sampling.max_request_kv_bytes
+    max_tokens = resolved_max_tokens(request, limits.max_context_length)
+    need = (prompt_length + max_tokens) * request.num_samples * limits.kv_bytes_per_token
+    if cap is not None and need > cap:
+        raise UserError(
+            f"this request needs {need} bytes of KV cache ((prompt {prompt_length} + max_tokens "
+            f"{max_tokens}) × num_samples {request.num_samples} × {limits.kv_bytes_per_token} bytes per "
+            f"token), over the {cap} bytes ({cap / _MIB:g} MiB) this server allows one request "
+            "(--max-sample-kv-mib); lower max_tokens or num_samples"
+        )
 
 
 def _check_int(field: str, value: object, low: int, high: int, why: str = "") -> None:

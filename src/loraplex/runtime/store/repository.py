@@ -143,16 +143,25 @@ class Store:
         """A session by id."""
         return self._get(SessionRow, session_id)
 
+    def tenant_session_ids(self, tenant: str, limit: int, offset: int) -> list[str]:
+        """A page of a tenant's session ids, newest first."""
+        query = select(SessionRow.id).where(SessionRow.tenant == tenant)
+        query = query.order_by(SessionRow.created_at.desc(), SessionRow.id).limit(limit).offset(offset)
+        with self._session() as s:
+            return list(s.execute(query).scalars())
+
+    def session_members(self, session_id: str) -> tuple[list[str], list[str]]:
+        """The ids of a session's training runs and samplers, oldest first."""
+        runs = select(RunRow.id).where(RunRow.session_id == session_id).order_by(RunRow.created_at)
+        samplers = select(SamplerRow.id).where(SamplerRow.session_id == session_id)
+        with self._session() as s:
+            run_ids = list(s.execute(runs).scalars())
+            return run_ids, list(s.execute(samplers.order_by(SamplerRow.created_at)).scalars())
+
     def update_session(self, session_id: str, **values: Any) -> None:
         """Set columns of one session (heartbeat time, finish reason)."""
         with self._session.begin() as s:
             s.execute(update(SessionRow).where(SessionRow.id == session_id).values(**values))
-
-    def list_sessions(self, tenant: str) -> list[SessionRow]:
-        """A tenant's sessions, oldest first."""
-        return self._all(
-            select(SessionRow).where(SessionRow.tenant == tenant).order_by(SessionRow.created_at)
-        )
 
     # --- training runs
     def add_run(self, row: RunRow) -> None:
@@ -193,6 +202,11 @@ class Store:
         """Forget a checkpoint."""
         with self._session.begin() as s:
             s.execute(delete(CheckpointRow).where(*_same_path(run_id, kind, name)))
+
+    def update_checkpoint(self, run_id: str, kind: str, name: str, **values: object) -> None:
+        """Change fields of a checkpoint (public, expires_at)."""
+        with self._session.begin() as s:
+            s.execute(update(CheckpointRow).where(*_same_path(run_id, kind, name)).values(**values))
 
     def run_checkpoints(self, run_id: str) -> list[CheckpointRow]:
         """A run's checkpoints, oldest first."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -86,6 +86,8 @@ class CheckpointRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    # Published: readable (loadable, sampleable) by every tenant of this server. NULL (older rows): no.
+    public: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=False)
 
 
 class SamplerRow(Base):
@@ -137,4 +139,5 @@ class FutureRow(Base):
 COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
     ("training_runs", "last_seq_id"),
     ("samplers", "last_used_at"),
+    ("checkpoints", "public"),
 )

@@ -3,8 +3,8 @@
 Each cycle takes one plan from the scheduler (residency moves, then at most one packed pass or one fused
 step with the barriers), hands newly queued sampling requests to the engine and runs one sampler step, so
 decoding and training interleave and neither starves; sampling reads immutable snapshots, so it never
-waits for a training barrier. About once a second it also parks the runs of sessions whose lease lapsed,
-failing first any requests of theirs stuck behind a seq_id that will never come; and every
+waits for a training barrier. About once a second it also fails requests stuck behind a seq_id that will
+never come and parks the runs of sessions whose lease lapsed; and every
 `retention_sweep_s` it deletes what retention says is due (retention.py), sparing what queued or running
 requests read.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from loraplex.engine.interface import Engine
 from loraplex.errors import UserError
-from loraplex.runtime.checkpoints import DiskLayout, owner_digest
+from loraplex.runtime.checkpoints import DiskLayout
 from loraplex.runtime.commands import CreateRunFromCheckpoint, LoadState
 from loraplex.runtime.execution import Executor
 from loraplex.runtime.futures import FutureTable
@@ -42,7 +42,7 @@ _LEASE_CHECK_S = 1.0
 _FAULT_PAUSE_S = 0.5
 
 
-class EngineWorker:
+class EngineLoop:
     """Runs plans on the engine; shares `runs` and `active` with the service under `cond`'s lock."""
 
     def __init__(
@@ -57,6 +57,7 @@ class EngineWorker:
         samples: SampleQueue,
         retention: Retention,
         retention_sweep_s: float,
+        seq_gap_timeout_s: float,
         max_prefill_tokens: int,
         cond: threading.Condition,
     ) -> None:
@@ -64,6 +65,7 @@ class EngineWorker:
         self.layout, self.scheduler, self.active, self.cond = layout, scheduler, active, cond
         self.samples, self.max_prefill_tokens = samples, max_prefill_tokens
         self.retention, self.retention_sweep_s = retention, retention_sweep_s
+        self.seq_gap_timeout_s = seq_gap_timeout_s
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_lease_check = 0.0
@@ -135,21 +137,39 @@ class EngineWorker:
 
     # --- leases and the plan set
     def _expire_leases(self) -> None:
-        """For runs of sessions whose lease lapsed: fail requests stuck behind a seq_id gap (they can never
-        run), then park the runs that have nothing left to do, like any idle run."""
+        """Fail requests stuck behind a seq_id gap that will never fill: their session's lease lapsed, or
+        the gap is older than `seq_gap_timeout_s` (a request refused before its seq_id could be read, such
+        as a body over the size limit). Then park the lapsed sessions' runs that have nothing left to do,
+        like any idle run."""
+        now = time.monotonic()
         with self.cond:
             lapsed = [r for r in self.active.values() if not self.sessions.is_live(r.session_id)]
-            stuck = {run.run_id: run.queue.abandon_gap() for run in lapsed}
-        for run_id, entries in stuck.items():
+            stale = [
+                r
+                for r in self.active.values()
+                if r.queue.pending() and now - r.queue.pending()[0].arrived_at >= self.seq_gap_timeout_s
+            ]
+            stuck = {run.run_id: (run.queue.next_seq_id, run.queue.abandon_gap()) for run in lapsed + stale}
+        for run_id, (missing, entries) in stuck.items():
             if entries:
                 gap = UserError(
-                    f"the session of training run {run_id} expired while this request waited for an earlier "
-                    "seq_id that never arrived"
+                    f"training run {run_id} never received seq_id {missing} (its session expired, or it was "
+                    "refused before its seq_id could be read); this request waited behind it and is dropped"
                 )
                 self.futures.finish(dict.fromkeys((e.future_id for e in entries), gap))
         for run in lapsed:
             if run.slot is not None and run.queue.is_idle():
                 self.executor.park(run)
+
+    def park_all(self) -> None:
+        """Park every resident run (gradients included), so a restart finds them on disk: called once the
+        loop has stopped."""
+        with self.cond:
+            resident = [run for run in self.active.values() if run.slot is not None]
+        for run in resident:
+            self.executor.park(run)
+        if resident:
+            log.info("parked %d resident runs before stopping", len(resident))
 
     def _sweep(self) -> None:
         """Delete what retention says is due, except what a queued or running request reads."""
@@ -189,7 +209,7 @@ class EngineWorker:
             snapshot = job.request.snapshot
             if job.export_from is not None and snapshot is not None and not snapshot.exists():
                 source = self.layout.checkpoint_dir(job.export_from)
-                self.engine.export_snapshot(source, snapshot, owner_digest(job.tenant))
+                self.engine.export_snapshot(source, snapshot, self.executor.source_owner(job.export_from))
             self.engine.add_sample(job.future_id, job.request)
         except Exception as exc:
             self._finish_samples({job.future_id: exc})

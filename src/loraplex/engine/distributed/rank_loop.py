@@ -26,7 +26,7 @@ def serve_commands(engine: LocalEngine, group: RankGroup) -> None:
         gather_replies(group, answer(command, engine, group))
 
 
-def run_worker(env: RankEnv, build: EngineBuilder, device: str, timeout_s: float) -> int:
+def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeout_s: float) -> int:
     """A worker rank's whole life: start, serve commands, leave; the process exit code."""
     engine, group = start_rank(env, build, device, timeout_s)
     log.info("engine rank %d of %d ready on %s", env.rank, env.world_size, engine.info.device)

@@ -1,0 +1,87 @@
+"""The /v1 routes: models, aliases, completions and chat completions. Each reads, converts, runs the
+generation through the runtime's InferenceService and answers as OpenAI does. No tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+
+from loraplex.api.openai.auth import Inference, Tenant
+from loraplex.api.openai.responses import (
+    Envelope,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    sse,
+)
+from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
+from loraplex.runtime.inference import ModelCard
+
+router = APIRouter()
+
+_SSE = "text/event-stream"
+
+
+@router.get("/models")
+async def list_models(inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_json(card) for card in await inference.models(tenant)]}
+
+
+@router.post("/completions", response_model=None)
+async def completions(
+    body: CompletionRequest, inference: Inference, tenant: Tenant
+) -> dict[str, Any] | StreamingResponse:
+    done = await inference.complete(tenant, body.to_generation(inference.codec))
+    envelope = Envelope.new("cmpl", body.model)
+    if body.stream:
+        chunks = completion_chunks(envelope, done, body.logprobs, body.includes_usage)
+        return StreamingResponse(sse(chunks), media_type=_SSE)
+    return completion_body(envelope, done, body.logprobs)
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest, inference: Inference, tenant: Tenant
+) -> dict[str, Any] | StreamingResponse:
+    done = await inference.complete(tenant, body.to_generation(inference.codec))
+    envelope = Envelope.new("chatcmpl", body.model)
+    if body.stream:
+        chunks = chat_chunks(envelope, done, body.logprobs, body.includes_usage)
+        return StreamingResponse(sse(chunks), media_type=_SSE)
+    return chat_body(envelope, done, body.logprobs)
+
+
+@router.get("/aliases")
+async def list_aliases(inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    aliases = inference.aliases.of(tenant)
+    return {"object": "list", "data": [_alias_json(alias, model) for alias, model in aliases.items()]}
+
+
+@router.post("/aliases")
+async def set_alias(body: AliasRequest, inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    await inference.set_alias(tenant, body.alias, body.model)
+    return _alias_json(body.alias, body.model)
+
+
+@router.delete("/aliases/{alias:path}")
+async def delete_alias(alias: str, inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    inference.aliases.delete(tenant, alias)
+    return {"object": "alias.deleted", "alias": alias, "deleted": True}
+
+
+def _model_json(card: ModelCard) -> dict[str, Any]:
+    return {
+        "id": card.model_id,
+        "object": "model",
+        "created": int(card.created.timestamp()),
+        "owned_by": card.owned_by,
+        "root": card.root,
+        "parent": card.parent,
+    }
+
+
+def _alias_json(alias: str, model: str) -> dict[str, str]:
+    return {"object": "alias", "alias": alias, "model": model}

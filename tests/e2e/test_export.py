@@ -1,0 +1,211 @@
+"""save_weights_external and its download: the real `tinker checkpoint download` CLI fetches the export from
+URLs this server signs and serves; the files load in HF peft and give the server's own logprobs.
+
+One keyed server (--auth keys) for the module; alice exports, bob is the foreign tenant.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from loraplex.runtime.checkpoints import CheckpointPath
+from loraplex.runtime.downloads import DownloadSigner
+from tests.e2e.conftest import REPO, Server
+from tests.e2e.sdk import PHRASE, client, create_key, logprobs, new_run, sft_steps
+
+ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def keyed(start_module_server: Callable[..., Server]) -> tuple[Server, dict[str, str]]:
+    server = start_module_server("--auth", "keys")
+    return server, {who: create_key(server.data_dir, who) for who in ("alice", "bob")}
+
+
+@pytest.fixture(scope="module")
+def export(keyed: tuple[Server, dict[str, str]]) -> tuple[str, np.ndarray]:
+    """alice's run after 3 steps, exported: the export's path and the server's logprobs of PHRASE."""
+    server, keys = keyed
+    run = new_run(client(server, keys["alice"]), server, seed=5)
+    sft_steps(run, 3)
+    path = run.save_weights_external("final").result().path
+    return path, logprobs(run)
+
+
+def _rest(server: Server, key: str) -> tinker.RestClient:
+    return tinker.RestClient(base_url=server.base_url, api_key=key)
+
+
+def _cli(server: Server, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
+    cmd = [sys.executable, "-m", "tinker.cli", *args]  # the `tinker` command
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _peft_logprobs(server: Server, adapter_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """PHRASE's logprobs from HF peft with the adapter in `adapter_dir`, and from the base model alone."""
+    base = AutoModelForCausalLM.from_pretrained(server.data_dir / "models" / "tiny", dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's note on tied embeddings
+        model = PeftModel.from_pretrained(base, adapter_dir).eval()
+    rows, targets = torch.arange(len(PHRASE) - 1), torch.tensor(PHRASE[1:])
+    with torch.no_grad():
+        adapted = torch.log_softmax(model(torch.tensor([PHRASE[:-1]])).logits[0], -1)[rows, targets]
+        with model.disable_adapter():
+            plain = torch.log_softmax(model(torch.tensor([PHRASE[:-1]])).logits[0], -1)[rows, targets]
+    return adapted.numpy(), plain.numpy()
+
+
+def test_the_cli_downloads_an_export_that_peft_loads_to_the_servers_logprobs(
+    keyed: tuple[Server, dict[str, str]], export: tuple[str, np.ndarray], tmp_path: Path
+) -> None:
+    server, keys = keyed
+    path, server_logprobs = export
+    assert path.endswith("/external_weights/final")
+    done = _cli(server, keys["alice"], "checkpoint", "download", path, "--output", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    target = tmp_path / path.removeprefix("tinker://").replace("/", "_")
+    assert sorted(p.name for p in target.iterdir()) == ADAPTER_FILES
+    adapted, plain = _peft_logprobs(server, target)
+    np.testing.assert_allclose(adapted, server_logprobs, atol=1e-4)
+    assert np.abs(plain - server_logprobs).max() > 1e-2  # the adapter matters, so the match means something
+
+    listed = _rest(server, keys["alice"]).list_checkpoints(CheckpointPath.parse(path).run_id).result()
+    (external,) = [c for c in listed.checkpoints if c.tinker_path == path]
+    assert external.checkpoint_type == "external"
+    assert external.size_bytes == sum(f.stat().st_size for f in target.iterdir())
+
+
+def test_urls_are_per_file_ranged_and_refused_to_other_tenants_and_when_expired(
+    keyed: tuple[Server, dict[str, str]], export: tuple[str, np.ndarray]
+) -> None:
+    server, keys = keyed
+    path, _ = export
+    answer = _rest(server, keys["alice"]).get_external_weights_urls(path).result()
+    assert sorted(answer.urls) == ADAPTER_FILES
+    assert 3500 < answer.expires.timestamp() - time.time() <= 3600
+    url = answer.urls["adapter_model.safetensors"]
+    assert url.startswith(f"{server.base_url}/api/v1/downloads/")
+    whole = httpx.get(url)  # no API key: the URL is the credential
+    assert whole.status_code == 200 and whole.headers["accept-ranges"] == "bytes"
+    part = httpx.get(url, headers={"Range": "bytes=10-19"})
+    assert part.status_code == 206
+    assert part.content == whole.content[10:20]
+    assert part.headers["content-range"] == f"bytes 10-19/{len(whole.content)}"
+
+    with pytest.raises(tinker.NotFoundError):  # bob gets no URL for alice's export
+        _rest(server, keys["bob"]).get_external_weights_urls(path).result()
+    signer, checkpoint = DownloadSigner(server.data_dir), CheckpointPath.parse(path)
+    base = f"{server.base_url}/api/v1/downloads"
+    relpath = "adapter_config.json"
+    as_bob = httpx.get(f"{base}/{signer.sign('bob', checkpoint, relpath, int(time.time()) + 60)}/{relpath}")
+    assert as_bob.status_code == 404 and "not found" in as_bob.json()["detail"]
+    expired = httpx.get(f"{base}/{signer.sign('alice', checkpoint, relpath, int(time.time()) - 1)}/{relpath}")
+    assert expired.status_code == 403 and "expired" in expired.json()["detail"]
+    token = url.split("/")[-2]
+    other_file = httpx.get(f"{base}/{token}/{relpath}")  # a token is for its one file
+    assert other_file.status_code == 403 and "another file" in other_file.json()["detail"]
+    forged = httpx.get(f"{base}/{token[:-4]}AAAA/adapter_model.safetensors")
+    assert forged.status_code == 403 and forged.json()["detail"] == "invalid download token"
+    assert (server.data_dir / "secret.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_an_encrypted_export_is_refused_and_the_run_goes_on(keyed: tuple[Server, dict[str, str]]) -> None:
+    server, keys = keyed
+    run = new_run(client(server, keys["alice"]), server, seed=6)
+    refused = run.save_weights_external("enc", age_encryption_recipients=["age1abc"])
+    with pytest.raises(Exception, match="age_encryption_recipients is not supported"):
+        refused.result()
+    assert len(sft_steps(run, 1)) == 1
+
+
+def test_a_published_checkpoint_is_readable_by_other_tenants_until_unpublished(
+    keyed: tuple[Server, dict[str, str]],
+) -> None:
+    server, keys = keyed
+    run = new_run(client(server, keys["alice"]), server, seed=7)
+    sft_steps(run, 2)
+    state, sampler = (
+        run.save_state("shared").result().path,
+        run.save_weights_for_sampler("shared").result().path,
+    )
+    alice, bob, bob_service = (
+        _rest(server, keys["alice"]),
+        _rest(server, keys["bob"]),
+        client(server, keys["bob"]),
+    )
+    with pytest.raises(tinker.NotFoundError):
+        bob_service.create_training_client_from_state(state).result()
+    alice.publish_checkpoint_from_tinker_path(state).result()
+    alice.publish_checkpoint_from_tinker_path(sampler).result()
+    listed = {c.tinker_path: c.public for c in alice.list_user_checkpoints().result().checkpoints}
+    assert listed[state] is True and listed[sampler] is True
+
+    loaded = bob_service.create_training_client_from_state(state).result()  # bob's own run from alice's
+    np.testing.assert_allclose(logprobs(loaded), logprobs(run), atol=1e-5)
+    params = tinker.types.SamplingParams(max_tokens=4, temperature=0.0)
+    prompt = tinker.types.ModelInput.from_ints(PHRASE[:3])
+    theirs = bob_service.create_sampling_client(model_path=sampler).sample(prompt, 1, params).result()
+    ours = client(server, keys["alice"]).create_sampling_client(model_path=sampler).sample(prompt, 1, params)
+    assert theirs.sequences[0].tokens == ours.result().sequences[0].tokens
+    with pytest.raises(tinker.NotFoundError):  # reading is all: bob cannot change or delete it
+        bob.set_checkpoint_ttl_from_tinker_path(state, 7200).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.delete_checkpoint_from_tinker_path(state).result()
+
+    alice.unpublish_checkpoint_from_tinker_path(state).result()
+    assert {c.tinker_path: c.public for c in alice.list_user_checkpoints().result().checkpoints}[
+        state
+    ] is False
+    with pytest.raises(tinker.NotFoundError):
+        bob_service.create_training_client_from_state(state).result()
+
+
+def test_set_ttl_sets_and_clears_a_checkpoints_expiry(keyed: tuple[Server, dict[str, str]]) -> None:
+    server, keys = keyed
+    run = new_run(client(server, keys["alice"]), server, seed=8)
+    path = run.save_state("ttl").result().path
+    rest = _rest(server, keys["alice"])
+
+    def expires_at() -> float | None:
+        (found,) = [c for c in rest.list_user_checkpoints().result().checkpoints if c.tinker_path == path]
+        return found.expires_at.timestamp() if found.expires_at else None
+
+    assert expires_at() is None
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    assert 7100 < (expires_at() or 0) - time.time() <= 7200
+    rest.set_checkpoint_ttl_from_tinker_path(path, None).result()
+    assert expires_at() is None
+    with pytest.raises(tinker.UnprocessableEntityError):  # below an hour, as Tinker
+        rest.set_checkpoint_ttl_from_tinker_path(path, 60).result()
+
+
+def test_sessions_list_their_runs_and_samplers(keyed: tuple[Server, dict[str, str]]) -> None:
+    server, keys = keyed
+    service = client(server, keys["bob"])
+    run = new_run(service, server, seed=9)
+    sampler = run.save_weights_and_get_sampling_client().result()
+    session_id = run.model_id.split(":train:")[0]
+    rest = _rest(server, keys["bob"])
+    assert session_id in rest.list_sessions(limit=100).result().sessions
+    assert session_id not in _rest(server, keys["alice"]).list_sessions(limit=100).result().sessions
+    details = rest.get_session(session_id).result()
+    assert details.training_run_ids == [run.model_id]
+    assert len(details.sampler_ids) == 1 and details.sampler_ids[0].startswith(f"{session_id}:sample:")
+    assert sampler is not None
+    with pytest.raises(tinker.NotFoundError):
+        _rest(server, keys["alice"]).get_session(session_id).result()

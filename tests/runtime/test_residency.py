@@ -1,0 +1,192 @@
+"""Slot residency and a worker that keeps going, through the TrainingService over the fake engine: more
+runs than slots all finish with what each gets alone; gradients not yet stepped pin a run to its slot
+until a waiter has waited slot_wait_s, and a forced park keeps them exactly; a result the database
+refuses fails that request alone; two copies of one create_model share one future."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from loraplex.engine.types import AdamParams, LoraConfig
+from loraplex.runtime import futures as futures_module
+from loraplex.runtime.commands import CreateRun, OptimStep
+from loraplex.runtime.futures import FutureRecord
+from loraplex.runtime.service import TrainingService
+from tests.fakes import FakeEngine
+from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass
+
+LR = 0.05
+
+
+def _phrase(seed: int) -> np.ndarray:
+    """Each run trains on its own data."""
+    return np.random.default_rng(seed).permutation(PHRASE)
+
+
+def _submit_rounds(service: TrainingService, run: str, seed: int, rounds: int) -> list[FutureRecord]:
+    """`rounds` x (forward_backward, forward_backward, optim_step), all submitted at once."""
+    records, seq = [], 1
+    for _ in range(rounds):
+        for command in (sft_pass(_phrase(seed)), sft_pass(_phrase(seed + 100)), OptimStep(AdamParams(LR))):
+            records.append(service.submit("local", run, seq, command))
+            seq += 1
+    return records
+
+
+def _outcomes(service: TrainingService, records: list[FutureRecord]) -> list[dict[str, float]]:
+    """Each request's metrics (loss:sum of a pass, grad_norm of a step); fails on any failed request."""
+    out = []
+    for record in records:
+        done = result_of(service, record)
+        assert done.status == "complete", done.error
+        result = done.result
+        out.append(result.metrics if hasattr(result, "metrics") else result["metrics"])  # type: ignore[index,union-attr]
+    return out
+
+
+def _count_parks(service: TrainingService, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, float]]:
+    """Record every park the worker makes: (run id, whether it held gradients, time.monotonic())."""
+    parks: list[tuple[str, bool, float]] = []
+    executor = service.engine_loop.executor
+    original = executor.park
+
+    def park(run):
+        parks.append((run.run_id, run.pending_gradients, time.monotonic()))
+        return original(run)
+
+    monkeypatch.setattr(executor, "park", park)
+    return parks
+
+
+def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_more_runs_than_slots_all_finish_with_what_each_gets_alone(service_factory, monkeypatch) -> None:
+    engine = FakeEngine(max_slots=2)
+    service = service_factory(engine, slot_wait_s=0.2)
+    seeds = [1, 2, 3, 4, 5]
+    runs = {seed: create_run(service, seed=seed) for seed in seeds}
+    parks = _count_parks(service, monkeypatch)
+    submitted = {seed: _submit_rounds(service, runs[seed], seed, rounds=2) for seed in seeds}
+    together = {seed: _outcomes(service, records) for seed, records in submitted.items()}
+    assert len(parks) >= 3  # five runs took turns on two slots
+
+    alone = service_factory(FakeEngine(max_slots=1), subdir="alone")
+    for seed in seeds:  # one run at a time: never parked
+        run = create_run(alone, seed=seed)
+        assert together[seed] == _outcomes(alone, _submit_rounds(alone, run, seed, rounds=2))
+
+
+def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_s_then_keeps_them(
+    service_factory, monkeypatch
+) -> None:
+    engine = FakeEngine(max_slots=1)
+    service = service_factory(engine, slot_wait_s=1.0)
+    a = create_run(service, seed=1)
+    parks = _count_parks(service, monkeypatch)
+    first = _outcomes(service, [service.submit("local", a, 1, sft_pass(_phrase(1)))])
+    a_state = service._runs[a]
+    assert a_state.pending_gradients and a_state.slot is not None
+
+    session = service.sessions.create("local", {})
+    asked_at = time.monotonic()
+    create_b = service.create_run("local", session, 0, CreateRun(LoraConfig(rank=4, seed=2), "fake/bigram"))
+    b_state = service._runs[f"{session}:train:0"]
+    _wait_until(lambda: b_state.waiting_since is not None)  # the scheduler has seen b wait for a slot
+    assert a_state.slot is not None and parks == []  # ... and a, holding gradients, keeps its slot
+    assert result_of(service, create_b).status == "complete"
+    ((parked, pinned, parked_at),) = parks
+    assert (parked, pinned) == (a, True) and parked_at - asked_at >= 1.0
+    assert service.catalog.run("local", a).status == "parked" and list(engine.slots) == [b_state.slot]
+
+    # a comes back (b, idle, makes room) with the gradients it was parked with: its step and the loss
+    # after it equal those of a run that was never parked.
+    later = _outcomes(
+        service,
+        [
+            service.submit("local", a, 2, OptimStep(AdamParams(LR))),
+            service.submit("local", a, 3, sft_pass(_phrase(1))),
+        ],
+    )
+    reference = service_factory(subdir="reference")
+    r = create_run(reference, seed=1)
+    expected = _outcomes(
+        reference,
+        [
+            reference.submit("local", r, 1, sft_pass(_phrase(1))),
+            reference.submit("local", r, 2, OptimStep(AdamParams(LR))),
+            reference.submit("local", r, 3, sft_pass(_phrase(1))),
+        ],
+    )
+    assert first + later == expected
+    assert expected[1]["grad_norm"] > 0
+
+
+def test_a_result_the_database_refuses_fails_that_request_alone_and_the_worker_goes_on(
+    service_factory, monkeypatch
+) -> None:
+    monkeypatch.setattr(futures_module, "_WRITE_RETRY_PAUSES_S", (0.01, 0.02))
+    service = service_factory()
+    run = create_run(service)
+    original, attempts = service.store.finish_futures, []
+    with held(service):  # the worker cannot finish it before the fault is armed
+        doomed = service.submit("local", run, 1, sft_pass())
+
+        def refusing(rows):
+            if any(row.id == doomed.id for row in rows):
+                attempts.append([row.id for row in rows])
+                raise RuntimeError("disk I/O error (injected)")
+            return original(rows)
+
+        monkeypatch.setattr(service.store, "finish_futures", refusing)
+
+    failed = result_of(service, doomed)
+    assert (failed.status, failed.category) == ("failed", "server")
+    assert "could not record this request's outcome" in failed.error
+    assert "disk I/O error (injected)" in failed.error
+    assert attempts == [[doomed.id]] * 3  # the first try and one per pause
+    assert service.store.get_future(doomed.id).status == "pending"  # a restart reports it failed
+    assert service.engine_loop._thread is not None and service.engine_loop._thread.is_alive()
+
+    step, after = (
+        service.submit("local", run, 2, OptimStep(AdamParams(LR))),
+        service.submit("local", run, 3, sft_pass()),
+    )
+    assert result_of(service, step).status == "complete"
+    assert result_of(service, after).result.metrics["loss:sum"] > 0  # type: ignore[union-attr]
+    assert service.store.get_future(after.id).status == "complete"
+
+
+def test_two_racing_copies_of_one_create_model_share_one_future_and_one_slot(
+    service_factory, monkeypatch
+) -> None:
+    engine = FakeEngine(max_slots=4)
+    service = service_factory(engine)
+    check_new_run, both_checked = service._check_new_run, threading.Barrier(2)
+
+    def checked_together(*args) -> None:  # both copies found no run by that id and are about to create it
+        check_new_run(*args)
+        both_checked.wait(timeout=5)
+
+    monkeypatch.setattr(service, "_check_new_run", checked_together)
+    for _ in range(3):
+        session = service.sessions.create("local", {})
+
+        def copy(session: str = session) -> FutureRecord:
+            command = CreateRun(LoraConfig(rank=4, seed=7), "fake/bigram")
+            return service.create_run("local", session, 0, command)
+
+        with ThreadPoolExecutor(2) as pool:
+            first, second = (f.result() for f in [pool.submit(copy), pool.submit(copy)])
+        assert first.id == second.id
+        assert result_of(service, first).result == {"model_id": f"{session}:train:0", "type": "create_model"}
+    assert len(engine.slots) == 3  # one adapter per run, not one per copy
