@@ -158,7 +158,8 @@ class LocalEngine(Engine):
 
     @contextmanager
     def _transaction(self, snapshot: SlotSnapshot, keep_undo: bool) -> Iterator[None]:
-        self._undo = None
+        """Restore `snapshot` if the body raises; else keep it for `undo_last` when asked (callers clear
+        the previous one first, before anything can fail)."""
         try:
             yield
         except BaseException:
