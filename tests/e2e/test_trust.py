@@ -168,7 +168,10 @@ def test_a_session_that_dies_with_a_gap_in_its_log_fails_what_waits_behind_it_an
     # No heartbeat, and seq_id 1 never comes: once the lease lapses, seq 2 fails and the run is parked.
     outcome = _outcome(server, stuck["request_id"], deadline_s=30)
     assert outcome["category"] == "user"
-    assert "expired while this request waited for an earlier seq_id that never arrived" in outcome["error"]
+    assert outcome["error"] == (
+        f"training run {run_id} never received seq_id 1 (its session expired, or it was refused before its "
+        "seq_id could be read); this request waited behind it and is dropped"
+    )
     deadline = time.monotonic() + 30
     while _run_status(server, run_id) != "parked":
         assert time.monotonic() < deadline, "the run kept its slot"

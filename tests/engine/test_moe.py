@@ -14,10 +14,11 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from loraplex.engine import checkpoints
+from loraplex.engine.local import build_local_engine
 from loraplex.engine.sampler.snapshot_cache import SnapshotCache
 from loraplex.engine.slots import SlotPool
 from loraplex.engine.snapshots import PEFT_PREFIX, WEIGHTS_FILE, load_snapshot, save_snapshot
-from loraplex.engine.types import AdamParams, LoraConfig
+from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
@@ -214,3 +215,26 @@ def test_moe_checkpoint_resumes_exactly(pool: SlotPool, decoder: Decoder, tmp_pa
         assert torch.equal(pool.get(3).weights[name], weight)
         assert torch.equal(state_back.exp_avg_sq[name], state.exp_avg_sq[name])
     assert state_back.step == state.step == 1
+
+
+def test_each_pass_records_its_expert_load_also_when_run_in_pieces(moe_dir: Path) -> None:
+    config = moe_config()
+    engine = build_local_engine(str(moe_dir), moe_dir, "cpu", 2, 8, "moe")
+    slot = engine.create_slot(LoraConfig(rank=4, seed=1))
+    generator = torch.Generator().manual_seed(3)
+
+    def datum(length: int) -> DatumInput:
+        tokens = torch.randint(0, config.vocab_size, (length + 1,), generator=generator).numpy()
+        return DatumInput(tokens[:-1], {"target_tokens": tokens[1:]})
+
+    request = PassRequest(slot, "cross_entropy", {}, [datum(n) for n in (6, 9, 5)], False)
+    engine.run_pass([request])
+    whole = engine.last_pass
+    moe_layers = config.num_hidden_layers - len(config.mlp_only_layers)
+    assert (whole.tokens, whole.requests) == (20, 1)
+    assert len(whole.expert_load) == moe_layers  # type: ignore[arg-type]
+    assert [sum(row) for row in whole.expert_load] == [20 * config.num_experts_per_tok] * moe_layers  # type: ignore[union-attr]
+
+    engine.max_pass_tokens = 10  # three passes: [6] [9] [5]
+    engine.run_pass([request])
+    assert engine.last_pass.expert_load == whole.expert_load  # the same tokens routed the same way

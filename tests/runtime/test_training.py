@@ -157,3 +157,18 @@ def test_forward_only_leaves_gradients_untouched(service_factory) -> None:
     )
     step = result_of(service, service.submit("local", run, 2, OptimStep(AdamParams())))
     assert step.result["metrics"]["grad_norm"] == 0.0
+
+
+def test_requests_behind_a_seq_id_that_never_arrives_fail_after_the_gap_timeout_and_the_run_goes_on(
+    service_factory,
+) -> None:
+    service = service_factory(seq_gap_timeout_s=0.3)
+    run = create_run(service)
+    stuck = service.submit("local", run, 2, sft_pass())  # seq 1 was refused before it could be read
+    outcome = result_of(service, stuck)
+    assert (outcome.category, outcome.error) == (
+        "user",
+        f"training run {run} never received seq_id 1 (its session expired, or it was refused before its "
+        "seq_id could be read); this request waited behind it and is dropped",
+    )
+    assert result_of(service, service.submit("local", run, 3, sft_pass())).status == "complete"

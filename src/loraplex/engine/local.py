@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,29 @@ DEFAULT_MAX_SAMPLING_BATCH = 128
 DEFAULT_SNAPSHOT_CAPACITY = 8
 
 
+@dataclass
+class PassMetrics:
+    """What the last pass did, for whoever reports on the engine: its tokens and requests, and on a
+    mixture-of-experts model the rows each MoE layer routed to each expert (MoE layers x experts), summed
+    over the pieces a pass past the token budget ran as."""
+
+    tokens: int = 0
+    requests: int = 0
+    expert_load: list[list[int]] | None = None
+
+    def add_expert_load(self, load_LE: Tensor | None) -> None:
+        """Add one forward's expert load (a device tensor, read once per forward)."""
+        if load_LE is None:
+            return
+        load = load_LE.tolist()
+        if self.expert_load is not None:
+            load = [
+                [a + b for a, b in zip(x, y, strict=True)]
+                for x, y in zip(self.expert_load, load, strict=True)
+            ]
+        self.expert_load = load
+
+
 class LocalEngine(Engine):
     """Engine over a decoder held in this process."""
 
@@ -56,6 +80,7 @@ class LocalEngine(Engine):
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
         self.max_slots = max_slots
         self._undo: SlotSnapshot | None = None  # the last keep_undo pass or step (distributed ranks)
+        self.last_pass = PassMetrics()
         self.logprob_chunk = logprob_chunk
         self.max_pass_tokens = max_pass_tokens  # a larger pass runs as several (None: never split)
         self.sampler = Sampler(
@@ -105,8 +130,11 @@ class LocalEngine(Engine):
         whose outputs are joined back per request: each datum's outputs and gradient depend only on the
         datum, so the result is the one big pass's, with its activation memory bounded by the budget."""
         tokens = sum(len(d.tokens) for r in requests for d in r.datums)
+        self.last_pass = PassMetrics(tokens=tokens, requests=len(requests))
         if self.max_pass_tokens is None or tokens <= self.max_pass_tokens:
-            return run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+            results = run_pass(self.decoder, requests, self._validate, self.logprob_chunk)
+            self.last_pass.add_expert_load(self.decoder.expert_load())
+            return results
         results: list[PassResult | UserError | None] = [None] * len(requests)
         accepted = []
         for index, request in enumerate(requests):
@@ -117,10 +145,12 @@ class LocalEngine(Engine):
                 results[index] = error
         chosen = [requests[i] for i in accepted]
         groups = split_by_budget(chosen, self.max_pass_tokens)
-        passes = [
-            run_pass(self.decoder, piece_requests(chosen, g), self._validate, self.logprob_chunk)
-            for g in groups
-        ]
+        passes = []
+        for group in groups:
+            passes.append(
+                run_pass(self.decoder, piece_requests(chosen, group), self._validate, self.logprob_chunk)
+            )
+            self.last_pass.add_expert_load(self.decoder.expert_load())
         for index, result in zip(accepted, merge_results(chosen, groups, passes), strict=True):  # type: ignore[arg-type]
             results[index] = result
         return results  # type: ignore[return-value]  # every request got its result or error above
