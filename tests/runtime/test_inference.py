@@ -135,3 +135,19 @@ def test_models_are_the_base_model_the_tenants_sampler_checkpoints_and_its_alias
         (path, "local", path, "fake/bigram"),
         ("mine", "local", path, "fake/bigram"),
     ]
+
+
+def test_another_tenants_published_sampler_checkpoint_is_listed_and_served_until_unpublished(
+    service: TrainingService, inference: InferenceService
+) -> None:
+    theirs = _snapshot(service, "other", "shared")
+    with pytest.raises(ModelNotFoundError):
+        _complete(inference, theirs)
+    service.catalog.set_public("other", CheckpointPath.parse(theirs), True)
+    cards = [(c.model_id, c.owned_by) for c in asyncio.run(inference.models("local"))]
+    assert (theirs, "published") in cards
+    assert _complete(inference, theirs) == _complete(inference, theirs, tenant="other")
+    service.catalog.set_public("other", CheckpointPath.parse(theirs), False)
+    assert theirs not in [c.model_id for c in asyncio.run(inference.models("local"))]
+    with pytest.raises(ModelNotFoundError):
+        _complete(inference, theirs)

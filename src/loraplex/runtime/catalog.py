@@ -93,6 +93,10 @@ class Catalog:
         rows, total = self._store.tenant_checkpoints(tenant, limit, offset)
         return [_checkpoint_view(row) for row in rows], total
 
+    def published_checkpoints(self, tenant: str) -> list[CheckpointView]:
+        """The checkpoints other tenants published (readable by `tenant`), newest first."""
+        return [_checkpoint_view(row) for row in self._store.published_checkpoints(tenant)]
+
     def checkpoint(self, tenant: str, path: CheckpointPath) -> CheckpointView:
         """One of the tenant's checkpoints."""
         row = self._store.get_checkpoint(path.run_id, path.kind, path.name)

@@ -121,6 +121,11 @@ class InferenceService:
             offset += page
             if offset >= total:
                 break
+        cards += [
+            ModelCard(str(v.path), v.created_at, "published", str(v.path), self.base_model)
+            for v in self.service.catalog.published_checkpoints(tenant)
+            if v.path.kind == "sampler_weights"
+        ]
         for alias, target in self.aliases.of(tenant).items():
             cards.append(ModelCard(alias, self.started_at, tenant, target, self.base_model))
         return cards
@@ -133,7 +138,7 @@ class InferenceService:
             raise ModelNotFoundError(model)
         try:
             path = CheckpointPath.parse(target)
-            self.service.catalog.checkpoint(tenant, path)
+            self.service.catalog.readable_checkpoint(tenant, path)  # the tenant's own, or published
         except UserError as exc:  # malformed, missing, deleted, or another tenant's: all look alike
             raise ModelNotFoundError(model) from exc
         return str(path)

@@ -220,6 +220,13 @@ class Store:
             query.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()), limit, offset
         )
 
+    def published_checkpoints(self, not_of_tenant: str) -> list[CheckpointRow]:
+        """Other tenants' published checkpoints, newest first."""
+        query = select(CheckpointRow).where(
+            CheckpointRow.public.is_(True), CheckpointRow.tenant != not_of_tenant
+        )
+        return self._all(query.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()))
+
     # --- samplers
     def add_sampler(self, row: SamplerRow) -> None:
         """Store a new sampling session."""
