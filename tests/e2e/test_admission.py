@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from loraplex.cli import build_parser, check_exposure, config_from_args
 from loraplex.config import ServerConfig
 from loraplex.errors import UserError
 from tests.e2e.conftest import REPO, Server
-from tests.e2e.sdk import client, new_run
+from tests.e2e.sdk import client, new_run, sft_steps
 
 KEY = {"X-API-Key": "tml-local"}
 # Small token limits, so that the largest body a route takes stays far below the 50 MB of the memory test:
@@ -220,3 +221,39 @@ def test_an_operator_who_allows_unauthenticated_remote_access_is_warned_in_the_l
     with pytest.raises(UserError):
         check_exposure(ServerConfig(host="::"))
     check_exposure(ServerConfig(host="0.0.0.0", auth="keys"))
+
+
+def test_a_client_training_beside_a_stream_of_bombs_never_fails_and_gets_what_it_gets_alone(
+    http, server, names
+) -> None:
+    alone = sft_steps(new_run(client(server), server, seed=5), 4)
+    stop, sent = threading.Event(), [0]
+
+    def bomb() -> None:
+        asample = {
+            "sampling_session_id": names["sampler"],
+            "seq_id": 0,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        }
+        with httpx.Client(base_url=f"{server.base_url}/api/v1", headers=KEY, timeout=120) as bomber:
+            while not stop.is_set():
+                bomber.post(
+                    "/forward_backward",
+                    content=_zstd_bomb(2**30, False),
+                    headers={"Content-Encoding": "zstd"},
+                )
+                bomber.post("/forward_backward", content=_chunks(50 * 2**20))
+                bomber.post(
+                    "/asample", json={**asample, "num_samples": 16, "sampling_params": {"max_tokens": 4000}}
+                )
+                sent[0] += 3
+
+    thread = threading.Thread(target=bomb)
+    thread.start()
+    try:
+        beside = sft_steps(new_run(client(server), server, seed=5), 4)
+    finally:
+        stop.set()
+        thread.join(60)
+    assert sent[0] >= 3  # the bombs really ran beside the training
+    np.testing.assert_allclose(beside, alone, rtol=1e-5)

@@ -35,7 +35,9 @@ def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Pat
     outcomes = [reread.get(f.id, "alice") for f in (ok, user, server)]
     assert outcomes[0].result == {"metrics": {"loss:sum": 1.5}}
     assert (outcomes[1].error, outcomes[1].category) == ("bad datum 3", "user")
-    assert (outcomes[2].error, outcomes[2].category) == ("RuntimeError", "server")
+    # An unexpected error's text may name server paths: the client gets a pointer to the log instead.
+    assert outcomes[2].category == "server"
+    assert outcomes[2].error == f"internal server error (request {server.id}; the server log has the details)"
 
 
 def test_a_runs_future_stamps_the_runs_last_request_time(tmp_path: Path) -> None:

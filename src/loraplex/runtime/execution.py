@@ -287,7 +287,10 @@ class Executor:
             run.status = LOST
             dropped = run.queue.abandon_all()
         self._record_status(run)
-        error = ServerError(f"training run {run.run_id} could not be restored from disk ({cause})")
+        log.error("run %s is lost: %r", run.run_id, cause)
+        error = ServerError(
+            f"training run {run.run_id} could not be restored from disk (the server log says why)"
+        )
         self.futures.finish({entry.future_id: error for entry in dropped})
 
     def _record_status(self, run: RunState) -> None:

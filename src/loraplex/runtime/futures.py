@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from loraplex.errors import NotFoundError, ServerError, UserError
+from loraplex.errors import LoraplexError, NotFoundError, ServerError, UserError
 from loraplex.runtime.store import FutureOutcome, Store, utcnow
 from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
@@ -134,7 +134,10 @@ class FutureTable:
             except Exception as exc:
                 if pause_s is None:
                     log.exception("could not record %d request outcomes; failing them in memory", len(rows))
-                    unrecorded = ServerError(f"the server could not record this request's outcome ({exc})")
+                    unrecorded = ServerError(
+                        f"the server could not record this request's outcome ({type(exc).__name__}; the "
+                        "server log has the details)"
+                    )
                     rows = [_outcome_row(row.id, unrecorded) for row in rows]
                     results = [None] * len(rows)
                     break
@@ -213,9 +216,14 @@ def _outcome_row(future_id: str, outcome: Result | BaseException) -> FutureOutco
         encoded = encode_result(outcome) if outcome is not None else None
         return FutureOutcome(future_id, COMPLETE, encoded, None, None)
     category = error_category(outcome)
+    message = str(outcome) or type(outcome).__name__
     if category == "server":
         log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
-    return FutureOutcome(future_id, FAILED, None, str(outcome) or type(outcome).__name__, category)
+        if not isinstance(
+            outcome, LoraplexError
+        ):  # an unexpected error's text may hold paths: the log has it
+            message = f"internal server error (request {future_id}; the server log has the details)"
+    return FutureOutcome(future_id, FAILED, None, message, category)
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:
