@@ -13,14 +13,8 @@ used for snapshots); loads verify everything before a live slot is touched. No H
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import json
-import os
-import re
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +22,7 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from loraplex.durable import tidy, write_directory_atomically
 from loraplex.engine.slots import OptimizerState, SlotPool
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import PermissionDeniedError, UserError
@@ -39,9 +34,6 @@ WEIGHTS_FILE = "weights.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 GRADIENTS_FILE = "gradients.safetensors"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
-# A hidden leftover of an interrupted write of directory NAME: its temp copy or the old version set aside.
-# (`.staging-` is what loraplex 0.1's runtime used for the same purpose.)
-_LEFTOVER = re.compile(r"\.(.+)\.(?:tmp|old|staging)-[^.]+")
 
 
 def save_state(
@@ -139,77 +131,6 @@ def read_weights(
     return manifest, config, weights
 
 
-def write_directory_atomically(directory: Path, write: Callable[[Path], None]) -> int:
-    """Let `write` fill a hidden temp directory beside `directory`, then swap it in; return bytes written.
-
-    A crash leaves the old version or the new one whole under `directory`: the new one is complete and
-    fsynced before any rename; an existing one is renamed aside, the new one renamed in, then the old one
-    deleted. If the process dies between those two renames, the next save or load of that name puts the
-    aside copy back (`_tidy`). A failed write removes its temp directory and changes nothing.
-    """
-    parent = directory.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _tidy(directory)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
-    aside = parent / f".{directory.name}.old-{tmp.name.rsplit('-', 1)[1]}"
-    try:
-        write(tmp)
-        size = _sync_tree(tmp)
-        if directory.exists():
-            os.rename(directory, aside)
-        os.rename(tmp, directory)
-        _fsync(parent)
-    except BaseException:
-        if aside.exists() and not directory.exists():
-            os.rename(aside, directory)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-    return size
-
-
-def _tidy(directory: Path) -> None:
-    """Undo what a crashed `write_directory_atomically` left: restore an aside copy, drop temp dirs."""
-    pattern = str(directory.parent / f".{glob.escape(directory.name)}")
-    asides = sorted(glob.glob(f"{pattern}.old-*"))
-    if asides and not directory.exists():
-        os.rename(asides.pop(), directory)
-    for stale in asides + glob.glob(f"{pattern}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def recover_unfinished_writes(root: Path) -> int:
-    """Deal with what crashed `write_directory_atomically` calls left anywhere under `root`: an aside copy
-    whose replacement never arrived is put back, other leftovers are deleted. Return how many there were."""
-    if not root.is_dir():
-        return 0
-    leftovers = [p for p in root.rglob(".*") if p.is_dir() and _LEFTOVER.fullmatch(p.name)]
-    for target in {p.parent / _LEFTOVER.fullmatch(p.name).group(1) for p in leftovers}:  # type: ignore[union-attr]
-        _tidy(target)
-    for leftover in leftovers:  # what _tidy does not know
-        shutil.rmtree(leftover, ignore_errors=True)
-    return len(leftovers)
-
-
-def _sync_tree(directory: Path) -> int:
-    """fsync every file of a flat directory and the directory itself; return their total size."""
-    size = 0
-    for path in directory.iterdir():
-        _fsync(path)
-        size += path.stat().st_size
-    _fsync(directory)
-    return size
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file or directory to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _describe(data: bytes) -> dict[str, Any]:
     """What the manifest records of one file."""
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -217,7 +138,7 @@ def _describe(data: bytes) -> dict[str, Any]:
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
     """The checked manifest of a checkpoint, with `lora_config` as a LoraConfig."""
-    _tidy(directory)
+    tidy(directory)
     where = f"checkpoint {directory.name}"
     if not directory.is_dir():
         raise UserError(f"{where} does not exist")

@@ -19,7 +19,7 @@ from typing import Any
 import safetensors.torch
 from torch import Tensor
 
-from loraplex.engine.checkpoints import write_directory_atomically
+from loraplex.durable import write_directory_atomically
 from loraplex.engine.slots import SlotPool
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError

@@ -12,9 +12,6 @@ token, so decode(encode(s)) == s for any text.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from loraplex.durable import write_directory_atomically
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
 
@@ -61,27 +59,17 @@ _CONFIG: dict[str, Any] = {
 
 
 def ensure_tiny_model(data_dir: Path | str) -> Path:
-    """Return `data_dir/models/tiny`, creating it first if absent; safe when processes race."""
+    """Return `data_dir/models/tiny`, creating it first if absent; safe when processes race (every writer
+    writes the same files; the first to finish is kept)."""
     final = Path(data_dir) / "models" / "tiny"
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
-    try:
-        _write_model(staging)
-        staging.chmod(0o755)
-        # A directory rename is atomic: readers see no directory or a complete one.
-        os.rename(staging, final)
-    except OSError:
-        if not final.is_dir():  # not a lost race: a real failure
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    if not final.is_dir():
+        write_directory_atomically(final, _write_model, replace=False)
     return final
 
 
 def _write_model(directory: Path) -> None:
     """Write config, weights and tokenizer files into `directory`."""
+    directory.chmod(0o755)  # readable by clients on this machine that load its tokenizer (get_info)
     _write_json(directory / "config.json", _CONFIG)
     # Fixed metadata: safetensors would otherwise be free to differ between writers.
     save_file(_random_weights(), str(directory / "model.safetensors"), metadata={"format": "pt"})

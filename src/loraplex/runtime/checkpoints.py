@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.engine.checkpoints import recover_unfinished_writes
+from loraplex.durable import recover_unfinished_writes
 from loraplex.errors import UserError
 
 # tinker path segment -> Tinker checkpoint_type. external_weights: a downloadable PEFT export.
