@@ -26,9 +26,9 @@ MAX_SLOTS, MAX_RANK = 4, 16
 VOCAB = 512  # the tiny model's
 
 
-def build_reference(data_dir: Path, device: str = "cpu") -> LocalEngine:
-    """A single-rank engine on the tiny model, configured as the ranks are."""
-    return build_local_engine("tiny", data_dir, device, MAX_SLOTS, MAX_RANK, None)
+def build_reference(data_dir: Path, device: str = "cpu", model: str = "tiny") -> LocalEngine:
+    """A single-rank engine on `model` (the tiny model by default), configured as the ranks are."""
+    return build_local_engine(model, data_dir, device, MAX_SLOTS, MAX_RANK, None)
 
 
 @dataclass
@@ -41,11 +41,22 @@ class Ranks:
 
 
 @contextmanager
-def start_ranks(data_dir: Path, timeout_s: float = 60.0, is_watched: bool = True) -> Iterator[Ranks]:
+def start_ranks(
+    data_dir: Path, timeout_s: float = 60.0, is_watched: bool = True, model: str = "tiny"
+) -> Iterator[Ranks]:
     """Rank 0 here and rank 1 as a child; is_watched=False hides the child from rank 0, as a rank on
     another machine would be, so only collectives can reveal its failure."""
     env = RankEnv.on_this_machine(2)
-    command = [sys.executable, "-m", "loraplex.cli", "engine-worker", "--data-dir", str(data_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "loraplex.cli",
+        "engine-worker",
+        "--data-dir",
+        str(data_dir),
+        "--model",
+        model,
+    ]
     command += ["--device", "cpu", "--max-slots", str(MAX_SLOTS), "--max-rank", str(MAX_RANK)]
     command += ["--rank-timeout-s", str(timeout_s)]
     threads = torch.get_num_threads()
@@ -56,7 +67,7 @@ def start_ranks(data_dir: Path, timeout_s: float = 60.0, is_watched: bool = True
     try:
         engine = start_coordinator(
             env,
-            lambda device: build_reference(data_dir, device),
+            lambda device: build_reference(data_dir, device, model),
             "cpu",
             timeout_s,
             failures.append,
