@@ -201,11 +201,16 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     import uvicorn
 
     from loraplex.api.app import create_app
+    from loraplex.model.hub_cache import offer_tokenizer
     from loraplex.runtime.service import TrainingService
 
     lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
     service = TrainingService.open(engine, config)
     info = engine.info
+    if (cached := offer_tokenizer(Path(info.tokenizer_dir), info.model_name)) is not None:
+        log.info(
+            "tokenizer of %s filed in the Hugging Face cache for local clients: %s", info.model_name, cached
+        )
     log.info("model %s (%s) on device %s", info.model_name, config.model, info.device)
     log.info(
         "database %s; data in %s; auth %s", service.store.display_url, config.data_dir.resolve(), config.auth

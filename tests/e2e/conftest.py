@@ -44,6 +44,12 @@ class Server:
     clients: list[Any] = field(default_factory=list)
 
     @property
+    def env(self) -> dict[str, str]:
+        """The server's environment: a Hugging Face cache of its own, not the user's (serve files the
+        served tokenizer there)."""
+        return {**os.environ, "HF_HOME": str(self.data_dir.parent / "hf-home")}
+
+    @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
@@ -60,7 +66,7 @@ class Server:
             *self.args,
         ]
         log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115 (outlives this call)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
