@@ -137,8 +137,8 @@ def test_a_run_whose_lease_lapsed_is_parked_and_resumes_transparently(service_fa
     expected = service_factory(subdir="reference")
     reference = create_run(expected)
     assert train_steps(service, run, 2) == train_steps(expected, reference, 2)
-    _wait_until(lambda: not engine.slots)  # no heartbeats: the worker parked it and freed the slot
-    assert service.catalog.run("local", run).status == "parked"
+    # No heartbeats: the engine loop parks it, freeing the slot, then records the run as parked.
+    _wait_until(lambda: not engine.slots and service.catalog.run("local", run).status == "parked")
     assert train_steps(service, run, 2, first_seq=5) == train_steps(expected, reference, 2, first_seq=5)
 
 
