@@ -34,9 +34,11 @@ def write_directory_atomically(directory: Path, write: Callable[[Path], None], r
     """
     parent = directory.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tidy(directory)
-    if not replace and directory.is_dir():
-        return 0
+    if not replace:  # several processes may be writing it right now: their temp directories are not stale
+        if directory.is_dir():
+            return 0
+    else:
+        tidy(directory)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=parent))
     aside = parent / f".{directory.name}.old-{tmp.name.rsplit('-', 1)[1]}"
     try:

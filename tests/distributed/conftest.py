@@ -82,6 +82,25 @@ def start_ranks(
         torch.set_num_threads(threads)
 
 
+# --- a module's two ranks and its single-rank reference (each module starts its own)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ranks")
+
+
+@pytest.fixture(scope="module")
+def ranks(data_dir: Path) -> Iterator[Ranks]:
+    with start_ranks(data_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path) -> LocalEngine:
+    return build_reference(data_dir)
+
+
 # --- requests: random tokens of given lengths, seeded
 def _tokens(rng: np.random.Generator, length: int) -> np.ndarray:
     return rng.integers(0, VOCAB, length, dtype=np.int64)

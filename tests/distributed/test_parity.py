@@ -8,10 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
-import pytest
 import torch.distributed as dist
 
 from loraplex.engine.interface import Engine
@@ -27,12 +25,9 @@ from loraplex.engine.types import (
 )
 from loraplex.errors import UserError
 from tests.distributed.conftest import (
-    Ranks,
     adapter_state,
-    build_reference,
     rl_request,
     sft_request,
-    start_ranks,
 )
 
 RTOL = 1e-5
@@ -49,22 +44,6 @@ PARAMS = [
     AdamParams(learning_rate=5e-4, weight_decay=0.1),
     AdamParams(learning_rate=1e-3, grad_clip_norm=1.0),
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ranks")
-
-
-@pytest.fixture(scope="module")
-def ranks(data_dir: Path) -> Iterator[Ranks]:
-    with start_ranks(data_dir) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def reference(data_dir: Path) -> LocalEngine:
-    return build_reference(data_dir)
 
 
 @contextmanager

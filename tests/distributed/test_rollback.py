@@ -8,7 +8,6 @@ single-rank engine's that never failed (its weights, moments and, through a late
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,27 +16,12 @@ from loraplex.engine.local import LocalEngine
 from loraplex.engine.sharding import split_by_tokens
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest
 from loraplex.errors import ServerError
-from tests.distributed.conftest import Ranks, build_reference, rl_request, sft_request, start_ranks
+from tests.distributed.conftest import Ranks, rl_request, sft_request
 from tests.distributed.test_parity import assert_adapters_equal, assert_results_equal
+from tests.engine.test_transactions import fail_on_call
 
 CONFIGS = [LoraConfig(rank=4, seed=1), LoraConfig(rank=8, seed=2, train_attn=False)]
 PARAMS = [AdamParams(learning_rate=1e-3), AdamParams(learning_rate=5e-4, weight_decay=0.1)]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ranks")
-
-
-@pytest.fixture(scope="module")
-def ranks(data_dir: Path) -> Iterator[Ranks]:
-    with start_ranks(data_dir) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def reference(data_dir: Path) -> LocalEngine:
-    return build_reference(data_dir)
 
 
 @pytest.fixture
@@ -61,20 +45,6 @@ def _pass(slots: list[int], seed: int) -> list[PassRequest]:
     return [sft_request(a, [13, 5, 21], seed), rl_request(b, "importance_sampling", [9, 17], seed + 1)]
 
 
-def _fail_on_call(patch: pytest.MonkeyPatch, module: object, name: str, call: int) -> list[int]:
-    """Make module.name raise on its `call`-th call in this process (rank 0 only); returns the counter."""
-    original, calls = getattr(module, name), [0]
-
-    def failing(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == call:
-            raise RuntimeError("CUDA out of memory (injected)")
-        return original(*args, **kwargs)
-
-    patch.setattr(module, name, failing)
-    return calls
-
-
 def _step_and_compare(ranks: Ranks, reference: LocalEngine, slots: list[int]) -> None:
     """One fused step on both engines, then every adapter and a pass over both ranks' replicas compared."""
     for engine in (ranks.engine, reference):
@@ -91,7 +61,7 @@ def test_a_pass_rank_0_fails_after_some_lm_head_chunks_is_undone_on_both_ranks(
     assert all(split_by_tokens(requests, 2))  # rank 1 has a share, which it completes
     monkeypatch.setattr(ranks.engine.local, "logprob_chunk", 4)  # rank 0's share: several lm_head chunks
     with monkeypatch.context() as patch:
-        calls = _fail_on_call(patch, passes, "_chunk_objective", call=2)  # after one chunk's backward
+        calls = fail_on_call(patch, passes, "_chunk_objective", call=2)  # after one chunk's backward
         with pytest.raises(ServerError, match=r"engine rank 0 failed its share of the pass: .*out of memory"):
             ranks.engine.run_pass(requests)
     assert calls[0] == 2
@@ -108,7 +78,7 @@ def test_an_optimizer_step_rank_0_fails_is_undone_on_rank_1_which_had_taken_it(
     with monkeypatch.context() as patch:
         # Rank 0 fails on its second slot, after the gradient all-reduce and its first slot's update;
         # rank 1, another process, steps both slots.
-        calls = _fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)
+        calls = fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)
         with pytest.raises(ServerError, match=r"engine rank 0 failed its share of the optimizer step"):
             ranks.engine.optim_step(steps)
     assert calls[0] == 2
@@ -123,7 +93,7 @@ def test_a_share_that_fails_before_it_changes_anything_takes_back_no_earlier_pas
     for engine in (ranks.engine, reference):  # a pass every rank completed (and could have undone)
         engine.run_pass(_pass(slots, seed=1))
     with monkeypatch.context() as patch:
-        _fail_on_call(patch, local, "SlotSnapshot", call=1)  # rank 0 cannot copy its slots: nothing ran
+        fail_on_call(patch, local, "SlotSnapshot", call=1)  # rank 0 cannot copy its slots: nothing ran
         with pytest.raises(ServerError, match=r"engine rank 0 failed its share of the pass: .*out of memory"):
             ranks.engine.run_pass(requests)
     for engine in (ranks.engine, reference):

@@ -41,7 +41,7 @@ def _requests(engine: LocalEngine, seed: int) -> list:
     ]
 
 
-def _fail_on_call(monkeypatch: pytest.MonkeyPatch, module: object, name: str, call: int) -> list[int]:
+def fail_on_call(monkeypatch: pytest.MonkeyPatch, module: object, name: str, call: int) -> list[int]:
     """Make module.name raise on its `call`-th call (1-based); returns the call counter."""
     original, calls = getattr(module, name), [0]
 
@@ -64,7 +64,7 @@ def test_a_pass_that_raises_after_some_lm_head_chunks_changes_no_slot_and_its_re
         engine.run_pass(_requests(engine, seed=1))  # accumulators already hold a pass
     before = _state(failed)
     with monkeypatch.context() as patch:
-        calls = _fail_on_call(patch, passes, "_chunk_objective", call=3)  # after two chunks' backward
+        calls = fail_on_call(patch, passes, "_chunk_objective", call=3)  # after two chunks' backward
         with pytest.raises(RuntimeError, match="injected"):
             failed.run_pass(_requests(failed, seed=2))
     assert calls[0] == 3
@@ -87,7 +87,7 @@ def test_an_optimizer_step_that_raises_on_its_second_slot_changes_no_slot(
     before = _state(failed)
     steps = dict.fromkeys(failed.pool.live_slots, AdamParams(learning_rate=0.01, weight_decay=0.1))
     with monkeypatch.context() as patch:
-        _fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)  # the first slot has stepped
+        fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)  # the first slot has stepped
         with pytest.raises(RuntimeError, match="injected"):
             failed.optim_step(steps)
     _assert_same(_state(failed), before)
@@ -124,7 +124,7 @@ def test_undo_last_takes_back_a_kept_pass_and_step_but_not_one_that_failed(monke
     engine.run_pass(_requests(engine, seed=8), keep_undo=True)
     kept = _state(engine)
     with monkeypatch.context() as patch:
-        _fail_on_call(patch, passes, "_chunk_objective", call=1)
+        fail_on_call(patch, passes, "_chunk_objective", call=1)
         with pytest.raises(RuntimeError):
             engine.run_pass(_requests(engine, seed=9), keep_undo=True)
     engine.undo_last()  # the failed pass undid itself and kept nothing: the earlier pass stays
