@@ -8,7 +8,10 @@ the same requests give bit-identical results, and it learns, so loss curves mean
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -69,6 +72,7 @@ class FakeEngine(Engine):
         self.pass_log: list[list[int | None]] = []  # slots of every run_pass call, for scheduler tests
         self.optim_log: list[list[int]] = []
         self.sample_queue: list[tuple[str, SampleRequest]] = []
+        self._undo: dict[int, _Slot] | None = None
 
     # --- slots
     def create_slot(self, config: LoraConfig) -> int:
@@ -77,6 +81,7 @@ class FakeEngine(Engine):
         return self._put(_Slot(config, A, np.zeros((config.rank, VOCAB))))
 
     def free_slot(self, slot: int) -> None:
+        self._undo = None
         del self.slots[slot]
 
     def _put(self, state: _Slot, slot: int | None = None) -> int:
@@ -117,25 +122,38 @@ class FakeEngine(Engine):
                 if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
                     raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
 
-    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+    def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         missing = sorted({r.slot for r in requests if r.slot is not None and r.slot not in self.slots})
         if missing:
             raise ServerError(f"a pass was built for adapter slots {missing}, which are not loaded")
         self.pass_log.append([r.slot for r in requests])
-        saved = {i: {k: g.copy() for k, g in s.grad.items()} for i, s in self.slots.items()}
-        out: list[PassResult | UserError] = []
-        try:
+        with self._transaction(keep_undo):
+            out: list[PassResult | UserError] = []
             for request in requests:
                 try:
                     self.validate_pass_request(request)
                     out.append(self._run_one(request))
                 except UserError as exc:
                     out.append(exc)
-        except BaseException:  # transactional, as the Engine contract asks
-            for i, grad in saved.items():
-                self.slots[i].grad = grad
-            raise
         return out
+
+    @contextmanager
+    def _transaction(self, keep_undo: bool) -> Iterator[None]:
+        """Transactional, as the Engine contract asks: every slot as before if the body raises."""
+        self._undo = None
+        before = copy.deepcopy(self.slots)
+        try:
+            yield
+        except BaseException:
+            self.slots = before
+            raise
+        if keep_undo:
+            self._undo = before
+
+    def undo_last(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            self.slots = undo
 
     def _run_one(self, request: PassRequest) -> PassResult:
         slot = self.slots[request.slot] if request.slot is not None else None
@@ -162,8 +180,14 @@ class FakeEngine(Engine):
         return PassResult(outputs=outputs, metrics={"loss:sum": total})
 
     # --- optimizer
-    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
+    def optim_step(
+        self, steps: dict[int, AdamParams], keep_undo: bool = False
+    ) -> dict[int, dict[str, float]]:
         self.optim_log.append(sorted(steps))
+        with self._transaction(keep_undo):
+            return self._step(steps)
+
+    def _step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
         metrics = {}
         for slot_id, p in steps.items():
             slot = self.slots[slot_id]

@@ -27,6 +27,7 @@ import pydantic
 
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
+from loraplex.log_format import configure_logging
 
 if TYPE_CHECKING:
     from loraplex.engine.distributed.group import RankEnv
@@ -126,6 +127,7 @@ def sampling_limits(config: ServerConfig) -> SamplingLimits:
 
     return SamplingLimits(
         max_topk_prompt_logprobs=config.max_topk_prompt_logprobs,
+        max_topk_sample_logprobs=config.max_topk_sample_logprobs,
         max_request_kv_bytes=config.max_sample_kv_mib << 20,
         kv_budget_bytes=config.sample_kv_budget_mib << 20,
     )
@@ -204,6 +206,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     from loraplex.model.hub_cache import offer_tokenizer
     from loraplex.runtime.service import TrainingService
 
+    configure_logging(config.log_format, config.log_level)
     lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
     service = TrainingService.open(engine, config)
     info = engine.info
@@ -289,6 +292,12 @@ def _add_keys(subparsers: Any) -> None:
         "create", help="Print a new tml- key for a tenant (only its digest is stored)."
     )
     create.add_argument("--tenant", required=True, help="Tenant the key belongs to.")
+    create.add_argument(
+        "--admin",
+        action="store_true",
+        help="An admin's key: in the web console (/console) it sees every tenant's runs, checkpoints, "
+        "samplers and requests. Through the API it is its tenant's key like any other.",
+    )
     actions.add_parser("list", help="List keys by id, tenant and state.")
     revoke = actions.add_parser("revoke", help="Revoke a key by its id.")
     revoke.add_argument("key_id", help="The key id shown by `keys list`.")
@@ -306,11 +315,12 @@ def _keys(args: argparse.Namespace) -> int:
     store = Store(config.resolved_database_url())
     try:
         if args.action == "create":
-            print(keys.create_key(store, args.tenant))
+            print(keys.create_key(store, args.tenant, admin=args.admin))
         elif args.action == "list":
             for key in keys.list_keys(store):
                 state = "revoked" if key.revoked else "active"
-                print(f"{key.key_id}\t{key.tenant}\t{state}\t{key.created_at.isoformat()}")
+                role = "admin" if key.admin else "tenant"
+                print(f"{key.key_id}\t{key.tenant}\t{state}\t{role}\t{key.created_at.isoformat()}")
         else:
             keys.revoke_key(store, args.key_id)
             print(f"revoked {args.key_id}")
@@ -326,6 +336,8 @@ _RETENTION_OPTIONS = (
     "future_retention_s",
     "snapshot_idle_s",
     "session_timeout_s",
+    "metric_retention_s",
+    "max_metrics_per_run",
 )
 
 
@@ -365,13 +377,24 @@ def _doctor(args: argparse.Namespace) -> int:
     store = Store(config.resolved_database_url())
     try:
         print(f"database {store.display_url}: {store.count_futures()} request results stored")
-        policy = RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s)
+        print(f"  {store.count_metrics()} metric history records (the console's charts)")
+        policy = RetentionPolicy(
+            config.future_retention_s,
+            config.snapshot_idle_s,
+            config.session_timeout_s,
+            config.metric_retention_s,
+            config.max_metrics_per_run,
+        )
         retention = Retention(store, layout, policy)
         removal = retention.sweep(utcnow()) if apply else retention.due(utcnow())
         paths = ", ".join(map(str, removal.checkpoints)) or "-"
         print("removed:" if apply else "retention would remove:")
         print(f"  {removal.futures} request results finished over {config.future_retention_s:g} s ago")
         print(f"  {len(removal.checkpoints)} expired checkpoints: {paths}")
+        print(
+            f"  {removal.metrics} metric records: of runs unused for {config.metric_retention_s:g} s, or "
+            f"past {config.max_metrics_per_run} per run"
+        )
         print(f"  {len(removal.samplers)} unreachable samplers and their snapshots")
         print(f"  {removal.bytes / 2**20:.1f} MiB of checkpoint and snapshot files")
     finally:

@@ -64,6 +64,21 @@ class ServerConfig(BaseModel):
         None, description="SQLAlchemy URL (e.g. postgresql+psycopg://...); default: SQLite in the data dir."
     )
 
+    # --- logs and metrics
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log lines on stderr: text (readable) or json (one object per line), one line per HTTP "
+        "request included.",
+    )
+    log_level: Literal["debug", "info", "warning"] = Field(
+        "info", description="Least severe log level shown; debug adds the engine loop's per-cycle summary."
+    )
+    metrics_public: bool = Field(
+        False,
+        description="Serve /metrics without an API key (for a Prometheus that cannot send one); without it, "
+        "any tenant's key may read it. It names no tenant, run or sampler either way.",
+    )
+
     # --- request limits (each rejected request fails alone, as a user error)
     max_datums_per_request: int = Field(4096, ge=1, description="Datums in one forward_backward request.")
     max_tokens_per_datum: int = Field(32768, ge=1, description="Tokens in one datum.")
@@ -81,8 +96,15 @@ class ServerConfig(BaseModel):
     max_topk_prompt_logprobs: int = Field(
         128,
         ge=0,
-        description="Largest topk_prompt_logprobs of asample (its result holds prompt length × k ids and "
-        "logprobs); top-K distillation asks for K.",
+        description="Largest width per prompt position of an asample: topk_prompt_logprobs, "
+        "prompt_alt_tokens_k and the K of target_prompt_logprobs (each result holds prompt length × K ids "
+        "and logprobs); top-K distillation asks for K.",
+    )
+    max_topk_sample_logprobs: int = Field(
+        128,
+        ge=0,
+        description="Largest topk_sample_logprobs of asample (its result holds num_samples × max_tokens × k "
+        "ids and logprobs).",
     )
     max_sample_kv_mib: int = Field(
         8192,
@@ -104,11 +126,18 @@ class ServerConfig(BaseModel):
     )
     max_metadata_entries: int = Field(64, ge=0, description="Entries of one user_metadata.")
     max_metadata_bytes: int = Field(
-        16384, ge=0, description="Bytes of one user_metadata, its keys and values as UTF-8 text."
+        16384,
+        ge=0,
+        description="Bytes of one user_metadata, its keys and values as UTF-8 text; also of a session's "
+        "display name.",
     )
     max_stop_sequences: int = Field(32, ge=0, description="Items of one sampling_params.stop list.")
     max_stop_chars: int = Field(256, ge=1, description="Characters of one stop string.")
-    max_name_bytes: int = Field(128, ge=1, description="Bytes (UTF-8) of a checkpoint or sampler name.")
+    max_name_bytes: int = Field(
+        128,
+        ge=1,
+        description="Bytes (UTF-8) of a checkpoint or sampler name.",
+    )
 
     # --- scheduling and leases
     pass_token_budget: int = Field(
@@ -165,6 +194,18 @@ class ServerConfig(BaseModel):
         gt=0,
         description="An unnamed sampler snapshot (one per save_weights_and_get_sampling_client) unused this "
         "long is deleted with its sampler (s); also once its session ends or goes silent.",
+    )
+    metric_retention_s: float = Field(
+        2_592_000.0,
+        gt=0,
+        description="A run's metric history (the console's charts) is deleted once the run has been unused "
+        "this long (s).",
+    )
+    max_metrics_per_run: int = Field(
+        100_000,
+        ge=1,
+        description="Metric records a run keeps (one per forward_backward, forward or optim_step); older "
+        "ones are deleted.",
     )
     retention_sweep_s: float = Field(
         60.0, gt=0, description="How often expired results, checkpoints and snapshots are deleted (s)."

@@ -7,12 +7,14 @@ import pytest
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 
 from loraplex.api.codecs import (
     encode_forward_backward_output,
     encode_sample_response,
     forward_backward_command,
     parse_forward_backward,
+    sample_response_json,
 )
 from loraplex.errors import UserError
 from loraplex.runtime.commands import ForwardBackward, PassResult
@@ -115,3 +117,62 @@ def test_a_sample_result_without_prompt_scores_has_none_of_them_on_the_wire() ->
     result = SampleResult([SampledSequence(np.array([1], np.int32), np.array([-1.0], np.float32), "stop")])
     decoded = deserialize_sample_response(encode_sample_response(result))
     assert (decoded.prompt_logprobs, decoded.topk_prompt_logprobs) == (None, None)
+    assert (decoded.target_prompt_logprobs, decoded.prompt_alt_tokens) == (None, None)
+    assert decoded.sequences[0].topk_logprobs is None
+
+
+NAN = np.nan
+# Two sampled tokens with their top-3 (the second position kept only one id), prompt positions 1 and 2
+# with two named ids each (-1: none) and two draws each.
+OUTPUTS = SampleResult(
+    sequences=[
+        SampledSequence(
+            np.array([4, 5], np.int32),
+            np.array([-0.5, -0.25], np.float32),
+            "length",
+            topk_ids=np.array([[4, 2, 7], [5, -1, -1]], np.int32),
+            topk_logprobs=np.array([[-0.5, -1.5, -3.0], [-0.25, NAN, NAN]], np.float32),
+        )
+    ],
+    target_prompt_logprobs=np.array([[-2.0, NAN], [NAN, -0.75]], np.float32),
+    prompt_alt_ids=np.array([[3, 3], [9, 1]], np.int32),
+    prompt_alt_logprobs=np.array([[-0.5, -0.5], [-1.25, -2.5]], np.float32),
+)
+
+
+def test_sampled_top_k_named_ids_and_prompt_draws_reach_the_sdk_as_its_types_describe() -> None:
+    decoded = deserialize_sample_response(encode_sample_response(OUTPUTS))
+    assert decoded.sequences[0].topk_logprobs == [[(4, -0.5), (2, -1.5), (7, -3.0)], [(5, -0.25)]]
+    target = decoded.target_prompt_logprobs
+    assert (target.dtype, target.shape, target.sparse_crow_indices) == ("float32", [2, 2], None)
+    assert target.tolist() == [[-2.0, 0.0], [0.0, -0.75]]  # 0.0 where the request named -1
+    alt = decoded.prompt_alt_tokens
+    assert (alt.tokens.dtype, alt.tokens.shape, alt.tokens.tolist()) == ("int64", [2, 2], [[3, 3], [9, 1]])
+    assert (alt.logprobs.dtype, alt.logprobs.tolist()) == ("float32", [[-0.5, -0.5], [-1.25, -2.5]])
+
+
+def test_named_ids_sent_sparse_come_back_sparse_listing_the_same_cells() -> None:
+    sparse = SampleResult(
+        OUTPUTS.sequences, target_prompt_logprobs=OUTPUTS.target_prompt_logprobs, target_prompt_is_sparse=True
+    )
+    target = deserialize_sample_response(encode_sample_response(sparse)).target_prompt_logprobs
+    assert (target.sparse_crow_indices, target.sparse_col_indices) == ([0, 1, 2], [0, 1])
+    assert target.data == [-2.0, -0.75]
+    assert target.tolist() == [[-2.0, 0.0], [0.0, -0.75]]
+    as_json = TensorDataModel.model_validate(sample_response_json(sparse)["target_prompt_logprobs"])
+    assert (as_json.shape, as_json.sparse_crow_indices, as_json.sparse_col_indices) == (
+        [2, 2],
+        [0, 1, 2],
+        [0, 1],
+    )
+    assert as_json.data == [-2.0, -0.75]
+
+
+def test_the_json_form_carries_the_same_outputs() -> None:
+    as_json = sample_response_json(OUTPUTS)
+    assert as_json["sequences"][0]["topk_logprobs"] == [[[4, -0.5], [2, -1.5], [7, -3.0]], [[5, -0.25]]]
+    target = TensorDataModel.model_validate(as_json["target_prompt_logprobs"])
+    assert (target.dtype, target.shape, target.data) == ("float32", [2, 2], [-2.0, 0.0, 0.0, -0.75])
+    tokens = TensorDataModel.model_validate(as_json["prompt_alt_tokens"]["tokens"])
+    assert (tokens.dtype, tokens.shape, tokens.data) == ("int64", [2, 2], [3, 3, 9, 1])
+    assert as_json["prompt_alt_tokens"]["logprobs"]["data"] == [-0.5, -0.5, -1.25, -2.5]

@@ -169,13 +169,40 @@ def test_asample_promises_a_sequence_id_per_sample_and_answers_in_protobuf_or_js
     )
 
 
+def _targets(shape: list[int], data: list, dtype: str = "int64", **csr: list[int]) -> dict:
+    """A target_prompt_logprobs TensorData as the SDK sends it; csr: its sparse_* index lists."""
+    return {"target_prompt_logprobs": {"data": data, "dtype": dtype, "shape": shape, **csr}}
+
+
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
-        ({"prompt_alt_tokens_k": 1}, "prompt_alt_tokens_k"),
         ({"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "'image'"),
         ({"num_samples": 0}, "num_samples"),
+        (
+            _targets([2, 1], [1.0, 2.0], dtype="float32"),
+            "target_prompt_logprobs must be an int64 tensor of token ids, got 'float32'",
+        ),
+        (_targets([2], [1, 2]), "target_prompt_logprobs must be 2-D, [len(prompt) - 1, K], got shape [2]"),
+        (_targets([2, 1], [1.5, 2]), "target_prompt_logprobs must hold integer token ids"),
+        (
+            _targets([2, 129], [1] * 258),
+            "target_prompt_logprobs is 129 ids wide; this server scores up to 128 per prompt position "
+            "(--max-topk-prompt-logprobs)",
+        ),
+        (_targets([2, 2], [1, 2, 3]), "target_prompt_logprobs: shape [2, 2] does not match its 3 values"),
+        (
+            _targets([2, 1], [7], sparse_crow_indices=[0, 1], sparse_col_indices=[0]),
+            "sparse CSR tensor of shape [2, 1]: 2 crow_indices, expected rows + 1 = 3",
+        ),
+        (
+            _targets([2, 1], [7], sparse_crow_indices=[0, 0, 1]),
+            "a sparse CSR tensor needs both sparse_crow_indices and sparse_col_indices",
+        ),
+        (  # a sparse shape costs nothing on the wire: refused before anything is allocated
+            _targets([10**9, 100], [], sparse_crow_indices=[0], sparse_col_indices=[]),
+            "target_prompt_logprobs: shape [1000000000, 100] has over the 4194304 cells this server decodes",
+        ),
     ],
 )
 def test_a_sampling_request_this_server_cannot_serve_is_a_400_naming_the_field(

@@ -80,11 +80,19 @@ def test_a_whole_session_over_http_never_touches_the_database_on_the_loop_or_und
         assert http.get(f"/api/v1/training_runs/{run}/checkpoints", headers=key).status_code == 200
         assert http.get("/api/v1/checkpoints", headers=key).status_code == 200
         assert http.post("/api/v1/weights_info", json={"tinker_path": path}, headers=key).status_code == 200
+        assert http.post("/api/v1/sessions/search", json={}, headers=key).status_code == 200
+        assert http.get("/api/v1/billing/usage/checkpoints/current", headers=key).status_code == 200
+        trace = http.get(f"/api/v1/sessions/{session}/trace_export", headers=key).json()["url"]
+        assert http.get(trace.removeprefix(str(http.base_url))).status_code == 200
         assert (
             http.post("/api/v1/session_heartbeat", json={"session_id": session}, headers=key).status_code
             == 200
         )
         assert http.post(f"/api/v1/sessions/{session}/finish", json={}, headers=key).status_code == 200
+        assert http.post("/console/login", data={"key": key["X-API-Key"]}).status_code == 200  # to runs
+        for page in ("runs", f"runs/{run}", "samplers", "requests", "server"):
+            assert http.get(f"/console/{page}").status_code == 200
+        service.history.flush()  # as the engine worker does: outside the lock, off the loop
     assert violations == []
 
 

@@ -93,8 +93,8 @@ def test_a_body_that_names_no_run_or_seq_id_is_a_422_with_a_body(http: TestClien
 @pytest.mark.parametrize(
     ("method", "path", "feature"),
     [
-        ("POST", "/sessions/search", "searching sessions is not supported"),
-        ("GET", "/sessions/s/trace_export", "session trace export is not supported"),
+        ("PUT", "/sessions/s/project", "projects is not supported"),
+        ("GET", "/billing/usage/events", "billing is not supported"),
         ("GET", "/no/such/route", "GET /api/v1/no/such/route is not a route of this server"),
         ("GET", "/create_model", "GET /api/v1/create_model is not a route of this server"),
     ],

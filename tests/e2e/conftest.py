@@ -152,17 +152,6 @@ def start_module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ca
         yield start
 
 
-@pytest.fixture(scope="session")
-def postgres_url_prefix() -> Iterator[str]:
-    """One throwaway PostgreSQL cluster for the session (Debian's server, installed by .ci/run if absent)."""
-    from tests.e2e.postgres import postgres_available, postgres_cluster
-
-    if not postgres_available():
-        pytest.fail("PostgreSQL is not installed: .ci/run installs Debian's postgresql package")
-    with postgres_cluster() as prefix:
-        yield prefix
-
-
 @pytest.fixture(params=["sqlite", "postgresql"])
 def database_args(request: pytest.FixtureRequest) -> list[str]:
     """Server arguments selecting each supported database: the default SQLite file, then PostgreSQL."""

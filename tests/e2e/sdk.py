@@ -72,8 +72,8 @@ def logprobs(run: tinker.TrainingClient, datum: types.Datum | None = None) -> np
     return out.loss_fn_outputs[0]["logprobs"].to_numpy()
 
 
-def create_key(data_dir: Path, tenant: str) -> str:
-    """A key from the real `loraplex keys create` command."""
+def create_key(data_dir: Path, tenant: str, admin: bool = False) -> str:
+    """A key from the real `loraplex keys create` command (`--admin`: the console shows it every tenant)."""
     cmd = [
         sys.executable,
         "-m",
@@ -84,5 +84,6 @@ def create_key(data_dir: Path, tenant: str) -> str:
         tenant,
         "--data-dir",
         str(data_dir),
+        *(["--admin"] if admin else []),
     ]
     return subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()

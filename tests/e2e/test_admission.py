@@ -152,6 +152,12 @@ def test_bombs_are_refused_and_leave_the_servers_peak_memory_within_50_mb(http, 
     }
     topk = http.post("/asample", json={**asample, "topk_prompt_logprobs": 512})
     assert topk.status_code == 400 and "--max-topk-prompt-logprobs" in topk.json()["detail"]
+    topk = http.post("/asample", json={**asample, "topk_sample_logprobs": 512})
+    assert topk.status_code == 400 and "--max-topk-sample-logprobs" in topk.json()["detail"]
+    for shape, refusal in (([10**12, 1], "cells this server decodes"), ([2, 10**12], "ids wide")):
+        sparse = {"data": [], "dtype": "int64", "shape": shape, "sparse_crow_indices": [0]}
+        named = http.post("/asample", json={**asample, "target_prompt_logprobs": sparse})
+        assert named.status_code == 400 and refusal in named.json()["detail"]
     kv = http.post("/asample", json={**asample, "num_samples": 16, "sampling_params": {"max_tokens": 4000}})
     assert kv.status_code == 400 and "(--max-sample-kv-mib)" in kv.json()["detail"]
 

@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 
 from tests.e2e.conftest import Server
@@ -63,6 +64,57 @@ def test_compute_logprobs_starts_with_none_and_equals_the_training_forward(run) 
     scored = run.save_weights_and_get_sampling_client().result().compute_logprobs(PROMPT).result()
     assert scored[0] is None and len(scored) == len(PHRASE)
     np.testing.assert_allclose(scored[1:], logprobs(run), atol=1e-4)
+
+
+def test_sampled_top_k_named_prompt_ids_and_prompt_draws_come_back_through_the_sdk(run) -> None:
+    sampler = run.save_weights_and_get_sampling_client().result()
+    rows = len(PHRASE) - 1
+    ids = torch.full((rows, 2), -1, dtype=torch.int64)
+    ids[1, 0], ids[rows - 1] = PHRASE[2], torch.tensor([PHRASE[-1], 7])  # row i scores position i + 1
+    out = sampler.sample(
+        PROMPT,
+        2,
+        _params(max_tokens=4),
+        include_prompt_logprobs=True,
+        topk_sample_logprobs=3,
+        target_prompt_logprobs=types.TensorData.from_torch_sparse(ids, pad_value=-1),
+        prompt_alt_tokens_k=2,
+    ).result()
+
+    # Top-3 at each sampled position, at temperature 1: what scoring prompt + sample reports there.
+    for sequence in out.sequences:
+        scored = sampler.sample(
+            types.ModelInput.from_ints(PHRASE + sequence.tokens),
+            1,
+            _params(max_tokens=1),
+            topk_prompt_logprobs=3,
+        ).result()
+        assert [[t for t, _ in row] for row in sequence.topk_logprobs] == [
+            [t for t, _ in row] for row in scored.topk_prompt_logprobs[len(PHRASE) :]
+        ]
+        np.testing.assert_allclose(
+            [[lp for _, lp in row] for row in sequence.topk_logprobs],
+            [[lp for _, lp in row] for row in scored.topk_prompt_logprobs[len(PHRASE) :]],
+            atol=1e-4,
+        )
+        # A sampled token's logprob is its own entry, when it is among the 3.
+        top_k = sequence.topk_logprobs
+        for token, logprob, top in zip(sequence.tokens, sequence.logprobs, top_k, strict=True):
+            assert dict(top).get(token, logprob) == pytest.approx(logprob, abs=1e-5)
+
+    # Named ids: sent sparse, returned sparse; the prompt's own token scores its prompt logprob.
+    target = out.target_prompt_logprobs
+    assert target.sparse_crow_indices is not None and target.shape == [rows, 2]
+    dense = target.to_numpy()
+    assert dense[1, 0] == pytest.approx(out.prompt_logprobs[2], abs=1e-5)
+    assert dense[rows - 1, 0] == pytest.approx(out.prompt_logprobs[-1], abs=1e-5)
+    assert dense[rows - 1, 1] < 0 and (dense[ids.numpy() < 0] == 0).all()
+
+    # Draws: [rows, 2] ids whose logprobs are those the same prompt scores for them (temperature 1).
+    alt = out.prompt_alt_tokens
+    assert (alt.tokens.dtype, alt.tokens.shape, alt.logprobs.shape) == ("int64", [rows, 2], [rows, 2])
+    named = sampler.sample(PROMPT, 1, _params(max_tokens=1), target_prompt_logprobs=alt.tokens).result()
+    np.testing.assert_allclose(named.target_prompt_logprobs.to_numpy(), alt.logprobs.to_numpy(), atol=1e-5)
 
 
 def test_a_seeded_request_samples_the_same_tokens_every_time(run) -> None:

@@ -401,10 +401,11 @@ def test_an_unknown_loss_is_a_user_error_listing_the_supported_ones() -> None:
 
 def test_stable_reinforce_is_rejected_with_the_reason_and_the_alternatives() -> None:
     with pytest.raises(
-        UserError, match="'stable_reinforce' is not supported: its math is not public"
+        UserError, match="'stable_reinforce' is not supported: its objective is not public"
     ) as error:
         resolve_loss_config("stable_reinforce", {})
-    assert "'importance_sampling' or 'ppo'" in str(error.value)
+    assert "use 'ppo' instead, or 'importance_sampling'" in str(error.value)
+    assert 'pass AsyncConfig(loss_fn="ppo")' in str(error.value)  # the cookbook's async default
     assert all(name in str(error.value) for name in LOSSES)
 
 

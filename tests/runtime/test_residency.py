@@ -1,7 +1,7 @@
 """Slot residency and a worker that keeps going, through the TrainingService over the fake engine: more
 runs than slots all finish with what each gets alone; gradients not yet stepped pin a run to its slot
-until a waiter has waited slot_wait_s, and a forced park keeps them exactly; a result the database
-refuses fails that request alone; two copies of one create_model share one future."""
+until a waiter has waited slot_wait_s, and a forced park keeps them exactly; work whose result the
+database refuses fails alone and is taken back; two copies of one create_model share one future."""
 
 from __future__ import annotations
 
@@ -131,39 +131,59 @@ def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_
     assert expected[1]["grad_norm"] > 0
 
 
-def test_a_result_the_database_refuses_fails_that_request_alone_and_the_worker_goes_on(
-    service_factory, monkeypatch
+def _refuse_to_record(
+    service: TrainingService, monkeypatch: pytest.MonkeyPatch, doomed: str
+) -> list[list[str]]:
+    """Make the database refuse every write of `doomed`'s outcome; the attempts it saw."""
+    original, attempts = service.store.finish_futures, []
+
+    def refusing(rows):
+        if any(row.id == doomed for row in rows):
+            attempts.append([row.id for row in rows])
+            raise RuntimeError("disk I/O error (injected)")
+        return original(rows)
+
+    monkeypatch.setattr(service.store, "finish_futures", refusing)
+    return attempts
+
+
+@pytest.mark.parametrize("refused", ["forward_backward", "optim_step"])
+def test_work_whose_result_the_database_refuses_fails_alone_is_taken_back_and_its_retry_counts_once(
+    service_factory, monkeypatch, refused: str
 ) -> None:
     monkeypatch.setattr(futures_module, "_WRITE_RETRY_PAUSES_S", (0.01, 0.02))
     service = service_factory()
     run = create_run(service)
-    original, attempts = service.store.finish_futures, []
+    commands = [sft_pass(), OptimStep(AdamParams(LR)), sft_pass()]
+    doomed_at = 0 if refused == "forward_backward" else 1
+    records = [service.submit("local", run, seq, cmd) for seq, cmd in enumerate(commands[:doomed_at], 1)]
+    _outcomes(service, records)
     with held(service):  # the worker cannot finish it before the fault is armed
-        doomed = service.submit("local", run, 1, sft_pass())
-
-        def refusing(rows):
-            if any(row.id == doomed.id for row in rows):
-                attempts.append([row.id for row in rows])
-                raise RuntimeError("disk I/O error (injected)")
-            return original(rows)
-
-        monkeypatch.setattr(service.store, "finish_futures", refusing)
+        doomed = service.submit("local", run, doomed_at + 1, commands[doomed_at])
+        attempts = _refuse_to_record(service, monkeypatch, doomed.id)
 
     failed = result_of(service, doomed)
     assert (failed.status, failed.category) == ("failed", "server")
     assert "could not record this request's outcome" in failed.error
     assert "(RuntimeError; the server log has the details)" in failed.error  # never the error text
+    assert failed.error.endswith("nothing it did was kept, so it can be retried")
     assert attempts == [[doomed.id]] * 3  # the first try and one per pause
     assert service.store.get_future(doomed.id).status == "pending"  # a restart reports it failed
     assert service.engine_loop._thread is not None and service.engine_loop._thread.is_alive()
 
-    step, after = (
-        service.submit("local", run, 2, OptimStep(AdamParams(LR))),
-        service.submit("local", run, 3, sft_pass()),
-    )
-    assert result_of(service, step).status == "complete"
-    assert result_of(service, after).result.metrics["loss:sum"] > 0  # type: ignore[union-attr]
-    assert service.store.get_future(after.id).status == "complete"
+    # The client retries the failed request, then goes on: every outcome is that of a run that never
+    # failed (a pass counted twice would double the step's grad norm; a step twice, move the loss).
+    seq = doomed_at + 2
+    retried = []
+    for command in commands[doomed_at:]:
+        retried.append(service.submit("local", run, seq, command))
+        seq += 1
+    reference = service_factory(subdir="reference")
+    r = create_run(reference, seed=1)
+    expected = _outcomes(reference, [reference.submit("local", r, i, c) for i, c in enumerate(commands, 1)])
+    assert _outcomes(service, records + retried) == expected
+    assert expected[1]["grad_norm"] > 0
+    assert service.store.get_future(retried[-1].id).status == "complete"
 
 
 def test_two_racing_copies_of_one_create_model_share_one_future_and_one_slot(

@@ -28,13 +28,13 @@ class StepwiseEngine(FakeEngine):
         self.prefill_budgets: list[int | None] = []
         self.stalled = False
 
-    def run_pass(self, requests):
+    def run_pass(self, requests, keep_undo=False):
         self.events.append("pass")
-        return super().run_pass(requests)
+        return super().run_pass(requests, keep_undo)
 
-    def optim_step(self, steps):
+    def optim_step(self, steps, keep_undo=False):
         self.events.append("optim")
-        return super().optim_step(steps)
+        return super().optim_step(steps, keep_undo)
 
     def add_sample(self, key, request):
         self.events.append("add")

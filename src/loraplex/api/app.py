@@ -1,5 +1,6 @@
 """The FastAPI application: the Tinker routes under /api/v1 and their error bodies, and the
-OpenAI-compatible app mounted at /v1 (api/openai/). Status codes come from errors.py.
+OpenAI-compatible app mounted at /v1 (api/openai/), /metrics (metrics.py), the web console at /console
+(api/console/), and around them all the request log (request_log.py). Status codes come from errors.py.
 
 Knows nothing of tensors or the database; it talks only to the runtime's TrainingService.
 """
@@ -16,15 +17,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.console.routes import router as console_router
 from loraplex.api.errors import status_of
 from loraplex.api.limits import BodyLimit, RequestLimits
+from loraplex.api.metrics import Metrics
+from loraplex.api.metrics import router as metrics_router
 from loraplex.api.openai.app import create_openai_app
+from loraplex.api.request_log import RequestObserver
 from loraplex.api.routes import (
     downloads,
     futures,
     rest,
     sampling,
     service,
+    sessions,
     sharing,
     training,
     unsupported,
@@ -89,9 +95,14 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(BodyLimit, limits=RequestLimits.from_config(training_service.config))
+    # Added last, so outermost: its log line and metrics see BodyLimit's refusals too.
+    app.state.metrics = Metrics(training_service)
+    app.add_middleware(RequestObserver, metrics=app.state.metrics)
+    app.include_router(metrics_router)
     # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
-    for module in (service, training, futures, sampling, downloads, sharing, unsupported, rest):
+    for module in (service, training, futures, sampling, downloads, sharing, sessions, unsupported, rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(unsupported.fallback, prefix="/api/v1")
+    app.include_router(console_router)
     app.mount("/v1", create_openai_app(training_service))
     return app

@@ -10,6 +10,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.request_log import note_request
 from loraplex.runtime.service import TrainingService
 
 
@@ -24,7 +25,10 @@ async def current_tenant(request: Request, x_api_key: Annotated[str | None, Head
     """The caller's tenant (AuthenticationError, hence 401, for a missing or unknown key); a key not
     resolved recently is looked up on a worker thread, never on the event loop."""
     service: TrainingService = request.app.state.service
-    return service.tenants.cached(x_api_key) or await run_in_threadpool(service.tenants.tenant_for, x_api_key)
+    tenants = service.tenants
+    tenant = tenants.cached(x_api_key) or await run_in_threadpool(tenants.tenant_for, x_api_key)
+    note_request(tenant=tenant)
+    return tenant
 
 
 Service = Annotated[TrainingService, Depends(service_of)]

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from loraplex.api.limits import MIB, RequestLimits, current_limits
+from loraplex.api.sparse import csr_problem, densify, to_csr
 from loraplex.errors import UserError
 from loraplex.runtime.commands import DatumInput, ForwardBackward, PassResult
 from loraplex.runtime.sampling import SampleResult
@@ -162,30 +163,10 @@ def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
     values = _frombuffer(where, msg.sparse_csr.values, dtype)
     crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
     cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
-    problem = _csr_problem(shape, len(values), crow, cols)
+    problem = csr_problem(shape, len(values), crow, cols)
     if problem is not None:
         raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
-    dense = np.zeros(shape, dtype)
-    dense[np.repeat(np.arange(shape[0]), np.diff(crow)), cols] = values
-    return dense
-
-
-def _csr_problem(shape: list[int], num_values: int, crow: np.ndarray, cols: np.ndarray) -> str | None:
-    """What is wrong with a CSR structure of `shape` holding `num_values` values, or None."""
-    rows, width = shape
-    if len(crow) != rows + 1:
-        return f"{len(crow)} crow_indices, expected rows + 1 = {rows + 1}"
-    if crow[0] != 0:
-        return f"crow_indices start at {crow[0]}, not 0"
-    if np.any(np.diff(crow) < 0):
-        return "crow_indices decrease"
-    if crow[-1] != num_values:
-        return f"crow_indices end at {crow[-1]}, not at the {num_values} values"
-    if len(cols) != num_values:
-        return f"{len(cols)} col_indices for {num_values} values"
-    if num_values and (cols.min() < 0 or cols.max() >= width):
-        return f"a col_index is outside [0, {width})"
-    return None
+    return densify(shape, values, crow, cols, fill=0)
 
 
 def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
@@ -243,50 +224,126 @@ def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
 
 
 def encode_sample_response(result: SampleResult) -> bytes:
-    """A SampleResponse: int32 tokens and float32 logprobs per sequence; prompt scores when asked."""
+    """A SampleResponse: int32 tokens and float32 logprobs per sequence, and their top-k when asked; prompt
+    scores, named ids' logprobs and prompt draws when asked."""
     msg = pb.SampleResponse()
     for sequence in result.sequences:
-        msg.sequences.add(
+        wire = msg.sequences.add(
             stop_reason=_STOP_REASONS[sequence.stop_reason],
             tokens=np.ascontiguousarray(sequence.tokens, "<i4").tobytes(),
             logprobs=np.ascontiguousarray(sequence.logprobs, "<f4").tobytes(),
         )
+        if sequence.topk_ids is not None and sequence.topk_logprobs is not None:
+            wire.topk_sampled_logprobs.CopyFrom(_topk_message(sequence.topk_ids, sequence.topk_logprobs))
     if result.prompt_logprobs is not None:
         msg.prompt_logprobs = np.ascontiguousarray(result.prompt_logprobs, "<f4").tobytes()
     if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
-        ids, logprobs = _topk_on_wire(result.topk_prompt_ids, result.topk_prompt_logprobs)
-        length, k = ids.shape
-        msg.topk_prompt_logprobs.CopyFrom(
-            pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=length)
+        msg.topk_prompt_logprobs.CopyFrom(_topk_message(result.topk_prompt_ids, result.topk_prompt_logprobs))
+    if result.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(
+            _target_message(result.target_prompt_logprobs, result.target_prompt_is_sparse)
+        )
+    if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
+        msg.prompt_alt_tokens.CopyFrom(
+            pb.PromptAltTokens(
+                tokens=_dense_message(result.prompt_alt_ids),
+                logprobs=_dense_message(result.prompt_alt_logprobs),
+            )
         )
     return msg.SerializeToString()
 
 
-def _topk_on_wire(ids: np.ndarray, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unscored cells (id -1, logprob NaN) become the wire's sentinel (id 0, logprob -99999)."""
-    empty = ids < 0
-    return (
-        np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_ID, ids), "<i4"),
-        np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_LOGPROB, logprobs), "<f4"),
+def _topk_message(ids_NK: np.ndarray, logprobs_NK: np.ndarray) -> Any:
+    """A TopkLogprobs; unscored cells (id -1, logprob NaN) become the wire's sentinel (id 0, -99999)."""
+    empty = ids_NK < 0
+    ids = np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_ID, ids_NK), "<i4")
+    logprobs = np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_LOGPROB, logprobs_NK), "<f4")
+    length, k = ids.shape
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=length)
+
+
+def _dense_message(array: np.ndarray) -> Any:
+    """A dense Tensor in a public wire dtype (float32 or int64)."""
+    array = _wire_array(array)
+    return pb.Tensor(dense=array.tobytes(), dtype=_PROTO_DTYPES[array.dtype], shape=array.shape)
+
+
+def _target_message(logprobs_RT: np.ndarray, is_sparse: bool) -> Any:
+    """The logprobs of target_prompt_logprobs in the request's layout: 0.0 where it named -1 (NaN here), or,
+    for a sparse request, only the cells that named an id."""
+    is_named_RT = ~np.isnan(logprobs_RT)
+    if not is_sparse:
+        return _dense_message(np.where(is_named_RT, logprobs_RT, 0.0))
+    crow, cols = to_csr(is_named_RT)
+    csr = pb.SparseCsr(
+        values=_wire_array(logprobs_RT[is_named_RT]).tobytes(),
+        crow_indices=crow.tobytes(),
+        col_indices=cols.tobytes(),
     )
+    return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=logprobs_RT.shape)
 
 
 def sample_response_json(result: SampleResult) -> dict[str, Any]:
-    """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl."""
+    """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl: top-k
+    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData."""
     sequences = [
-        {"stop_reason": s.stop_reason, "tokens": s.tokens.tolist(), "logprobs": s.logprobs.tolist()}
+        {
+            "stop_reason": s.stop_reason,
+            "tokens": s.tokens.tolist(),
+            "logprobs": s.logprobs.tolist(),
+            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs),
+        }
         for s in result.sequences
     ]
-    prompt = None if result.prompt_logprobs is None else result.prompt_logprobs.tolist()
-    topk = None
-    if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
-        topk = [
-            [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
-            for ids, lps in zip(result.topk_prompt_ids, result.topk_prompt_logprobs, strict=True)
-        ]
+    alt = None
+    if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
+        alt = {
+            "tokens": _tensor_json(result.prompt_alt_ids),
+            "logprobs": _tensor_json(result.prompt_alt_logprobs),
+        }
+    target = None
+    if result.target_prompt_logprobs is not None:
+        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse)
     return json_safe(
-        {"type": "sample", "sequences": sequences, "prompt_logprobs": prompt, "topk_prompt_logprobs": topk}
+        {
+            "type": "sample",
+            "sequences": sequences,
+            "prompt_logprobs": None if result.prompt_logprobs is None else result.prompt_logprobs.tolist(),
+            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs),
+            "target_prompt_logprobs": target,
+            "prompt_alt_tokens": alt,
+        }
     )
+
+
+def _topk_json(ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None) -> list[Any] | None:
+    """Per position, its scored [id, logprob] pairs, or None where none was scored."""
+    if ids_NK is None or logprobs_NK is None:
+        return None
+    return [
+        [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
+        for ids, lps in zip(ids_NK, logprobs_NK, strict=True)
+    ]
+
+
+def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+    """A dense TensorData."""
+    array = _wire_array(array)
+    return {"data": array.ravel().tolist(), "dtype": array.dtype.name, "shape": list(array.shape)}
+
+
+def _target_json(logprobs_RT: np.ndarray, is_sparse: bool) -> dict[str, Any]:
+    """target_prompt_logprobs as TensorData, in the request's layout (see _target_message)."""
+    is_named_RT = ~np.isnan(logprobs_RT)
+    if not is_sparse:
+        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0))
+    crow, cols = to_csr(is_named_RT)
+    return {
+        **_tensor_json(logprobs_RT[is_named_RT]),
+        "shape": list(logprobs_RT.shape),
+        "sparse_crow_indices": crow.tolist(),
+        "sparse_col_indices": cols.tolist(),
+    }
 
 
 def json_safe(value: Any) -> Any:

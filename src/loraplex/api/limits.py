@@ -48,6 +48,7 @@ class RequestLimits:
     max_stop_chars: int
     max_name_bytes: int
     max_queued_samples: int
+    max_topk_prompt_logprobs: int  # bounds target_prompt_logprobs' width before its ids are decoded
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> RequestLimits:
@@ -63,6 +64,7 @@ class RequestLimits:
             max_stop_chars=config.max_stop_chars,
             max_name_bytes=config.max_name_bytes,
             max_queued_samples=config.max_queued_samples,
+            max_topk_prompt_logprobs=config.max_topk_prompt_logprobs,
         )
 
     @property

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from loraplex.api.limits import current_limits
+from loraplex.api.sparse import csr_problem, densify
 from loraplex.errors import UserError
 from loraplex.runtime.catalog import CheckpointView, RunView
 from loraplex.runtime.checkpoints import CheckpointPath
@@ -107,6 +108,17 @@ def _bounded_name(name: str) -> str:
     return name
 
 
+def _bounded_display_name(name: str) -> str:
+    """A session's display name is free text, like a metadata value (the cookbook builds one from its
+    dataset path and log dir): bounded by --max-metadata-bytes, not by the checkpoint-name limit."""
+    limit, size = current_limits().max_metadata_bytes, len(name.encode())
+    if size > limit:
+        raise ValueError(
+            f"a display name of {size} bytes, over the {limit} this server keeps (--max-metadata-bytes)"
+        )
+    return name
+
+
 def _bounded_stop(stop: str | list[str] | list[int] | None) -> str | list[str] | list[int] | None:
     limits = current_limits()
     items = [stop] if isinstance(stop, str) else stop or []
@@ -135,6 +147,7 @@ def _bounded_num_samples(num_samples: int) -> int:
 
 UserMetadata = Annotated[dict[str, str], BeforeValidator(_text_values), AfterValidator(_bounded_metadata)]
 CheckpointName = Annotated[str, AfterValidator(_bounded_name)]
+DisplayName = Annotated[str, AfterValidator(_bounded_display_name)]
 
 
 def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
@@ -147,6 +160,7 @@ def describe_errors(errors: Sequence[Mapping[str, Any]]) -> str:
 # --- service and sessions
 class CreateSessionRequest(WireModel):
     user_metadata: UserMetadata = Field(default_factory=dict)
+    display_name: DisplayName | None = None
 
 
 class SessionRequest(WireModel):
@@ -327,6 +341,54 @@ class WireSamplingParams(WireModel):
         return SamplingParams(**values, stop=tuple(stop) if stop is not None else None)
 
 
+class WireTensor(WireModel):
+    """A TensorData: `data` row-major, or, with the sparse fields, the values CSR lists."""
+
+    data: list[Int64 | float]
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0, lt=2**63)]] | None = None
+    sparse_crow_indices: list[Int64] | None = None
+    sparse_col_indices: list[Int64] | None = None
+
+
+def _target_ids(tensor: WireTensor) -> tuple[np.ndarray, bool]:
+    """target_prompt_logprobs as dense (R, K) int64 ids, -1 in the cells a sparse tensor leaves out, and
+    whether it came sparse. Its structure and size are checked before anything is allocated; rows against
+    the prompt and ids against the vocabulary are the engine's (sampler/validation.py)."""
+    where, shape = "target_prompt_logprobs", tensor.shape
+    if tensor.dtype != "int64":
+        raise UserError(f"{where} must be an int64 tensor of token ids, got {tensor.dtype!r}")
+    if shape is None or len(shape) != 2:
+        raise UserError(f"{where} must be 2-D, [len(prompt) - 1, K], got shape {shape}")
+    if any(isinstance(value, float) for value in tensor.data):
+        raise UserError(f"{where} must hold integer token ids")
+    limits = current_limits()
+    rows, width = shape
+    if width > limits.max_topk_prompt_logprobs:
+        raise UserError(
+            f"{where} is {width} ids wide; this server scores up to {limits.max_topk_prompt_logprobs} per "
+            "prompt position (--max-topk-prompt-logprobs)"
+        )
+    # No more cells than a dense tensor in the largest body could hold (2 bytes a cell, "1,"): a sparse
+    # tensor's shape costs nothing on the wire.
+    max_cells = limits.max_json_body_bytes // 2
+    if rows * width > max_cells:
+        raise UserError(f"{where}: shape {shape} has over the {max_cells} cells this server decodes")
+    values = np.asarray(tensor.data, np.int64)
+    crow, cols = tensor.sparse_crow_indices, tensor.sparse_col_indices
+    if crow is None and cols is None:
+        if values.size != rows * width:
+            raise UserError(f"{where}: shape {shape} does not match its {values.size} values")
+        return values.reshape(rows, width), False
+    if crow is None or cols is None:
+        raise UserError(f"{where}: a sparse CSR tensor needs both sparse_crow_indices and sparse_col_indices")
+    crow_array, cols_array = np.asarray(crow, np.int64), np.asarray(cols, np.int64)
+    problem = csr_problem(shape, values.size, crow_array, cols_array)
+    if problem is not None:
+        raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
+    return densify(shape, values, crow_array, cols_array, fill=-1), True
+
+
 class AsampleRequest(WireModel):
     """asample; the 0.38.0 SDK always addresses a sampling session (never model_path / base_model)."""
 
@@ -338,20 +400,14 @@ class AsampleRequest(WireModel):
     prompt_logprobs: bool | None = False
     topk_prompt_logprobs: Int64 = 0
     prompt_logprobs_last_n: Int64 | None = None
-    # Not served: refused by name rather than silently ignored.
     topk_sample_logprobs: Int64 = 0
     prompt_alt_tokens_k: Int64 = 0
-    target_prompt_logprobs: dict[str, Any] | None = None
+    target_prompt_logprobs: WireTensor | None = None
 
     def to_request(self) -> SampleRequest:
-        unsupported = {
-            "topk_sample_logprobs": self.topk_sample_logprobs != 0,
-            "prompt_alt_tokens_k": self.prompt_alt_tokens_k != 0,
-            "target_prompt_logprobs": self.target_prompt_logprobs is not None,
-        }
-        for name, asked in unsupported.items():
-            if asked:
-                raise UserError(f"{name} is not supported by this server; leave it at its default")
+        targets, is_sparse = None, False
+        if self.target_prompt_logprobs is not None:
+            targets, is_sparse = _target_ids(self.target_prompt_logprobs)
         return SampleRequest(
             prompt=self.prompt.to_tokens(),
             params=self.sampling_params.to_params(),
@@ -359,6 +415,10 @@ class AsampleRequest(WireModel):
             prompt_logprobs=bool(self.prompt_logprobs),
             topk_prompt_logprobs=self.topk_prompt_logprobs,
             prompt_logprobs_last_n=self.prompt_logprobs_last_n,
+            topk_sample_logprobs=self.topk_sample_logprobs,
+            prompt_alt_tokens_k=self.prompt_alt_tokens_k,
+            target_prompt_ids=targets,
+            target_prompt_is_sparse=is_sparse,
         )
 
 

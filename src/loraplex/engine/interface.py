@@ -28,6 +28,21 @@ class EngineInfo:
     device: str
 
 
+@dataclass(frozen=True)
+class EngineUsage:
+    """What the engine reports for telemetry: cheap to read (no device sync), counters since start."""
+
+    prefill_tokens: int = 0  # prompt tokens the sampler prefilled
+    sampled_tokens: int = 0  # tokens the sampler drew
+    sequences: int = 0  # sequences decoding now (KV cache rows in use)
+    kv_cache_bytes: int = 0  # KV cache storage held now
+    kv_cache_tokens: int = 0  # tokens cached in the rows in use
+    device_name: str = ""  # e.g. the GPU's name; "" when there is nothing to add to EngineInfo.device
+    device_allocated_bytes: int | None = None  # CUDA memory held by tensors; None off CUDA
+    device_reserved_bytes: int | None = None  # CUDA memory the caching allocator holds
+    device_total_bytes: int | None = None
+
+
 class Engine(ABC):
     """Compute plane: slots, fused passes, fused optimizer steps, checkpoints, snapshots and sampling."""
 
@@ -48,18 +63,28 @@ class Engine(ABC):
         """Drop a slot's weights, gradients and optimizer state; the id may be reused."""
 
     @abstractmethod
-    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+    def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         """Run all requests in one packed pass; per request a result, or the UserError that rejected it.
 
         Semantics: equal to running each request alone, in order. Training requests add into their
         slot's gradient accumulators; a rejected request changes no state. Transactional: if the pass
         raises, no slot changed. A request whose slot is not live is a caller bug: ServerError, no pass.
+        keep_undo: keep what `undo_last` needs to take the pass back, until the next pass or step.
         """
 
     @abstractmethod
-    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
+    def optim_step(
+        self, steps: dict[int, AdamParams], keep_undo: bool = False
+    ) -> dict[int, dict[str, float]]:
         """One fused AdamW step of the given slots; per slot metrics (grad_norm, learning_rate, ...).
-        Transactional: if it raises, no slot's weights, moments, gradients or step count changed."""
+        Transactional: if it raises, no slot's weights, moments, gradients or step count changed.
+        keep_undo as for `run_pass`."""
+
+    @abstractmethod
+    def undo_last(self) -> None:
+        """Take back the last pass or step run with keep_undo (nothing if it raised or none was kept).
+        The runtime asks this when it cannot record that call's outcome: its requests then fail, and their
+        retry must not count twice. Valid only before any other call changes a slot."""
 
     @abstractmethod
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
@@ -103,3 +128,7 @@ class Engine(ABC):
     @abstractmethod
     def has_sampling_work(self) -> bool:
         """Whether any sampling request is waiting or generating (step_sampler has work to do)."""
+
+    def usage(self) -> EngineUsage:
+        """Telemetry counters and gauges (see EngineUsage); an engine that keeps none reports zeros."""
+        return EngineUsage()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
-from loraplex.engine.interface import Engine, EngineInfo
+from loraplex.engine.interface import Engine, EngineInfo, EngineUsage
 from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.passes import run_pass
 from loraplex.engine.sampler.generation import Sampler
@@ -109,12 +110,13 @@ class LocalEngine(Engine):
 
     def free_slot(self, slot: int) -> None:
         """Drop the slot's weights, accumulators and AdamW state."""
+        self._undo = None  # it may hold copies of this slot, which an undo must not write into a reused id
         self.pool.free(slot)
 
     def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         """All requests in one packed pass (see `passes.run_pass`); if it raises, every slot's gradients are
         as before. keep_undo: keep the copies so `undo_last` can take a successful pass back (a data
-        parallel rank whose peer failed its share)."""
+        parallel rank whose peer failed its share; a runtime that cannot record the outcome)."""
         self._undo = None  # whatever fails from here, a Rollback must not take back an earlier pass or step
         self.require_live_slots(requests)
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
@@ -208,6 +210,7 @@ class LocalEngine(Engine):
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
     ) -> tuple[int, LoraConfig]:
         """Verify a checkpoint fully, then load it into `slot` or a new slot."""
+        self._undo = None  # as in free_slot
         return checkpoints.load_state(
             self.pool, directory, owner_digest, self.info.base_model_digest, with_optimizer, slot
         )
@@ -240,6 +243,33 @@ class LocalEngine(Engine):
     def has_sampling_work(self) -> bool:
         """Whether a sampling request is waiting or generating."""
         return self.sampler.has_work()
+
+    def usage(self) -> EngineUsage:
+        """The sampler's token counters and KV cache, and on CUDA the allocator's counters (no sync)."""
+        cache = self.sampler.cache
+        device = self.decoder.lm_head.weight.device
+        on_cuda = device.type == "cuda"
+        return EngineUsage(
+            prefill_tokens=self.sampler.prefill_tokens,
+            sampled_tokens=self.sampler.sampled_tokens,
+            sequences=cache.num_live_rows,
+            kv_cache_bytes=cache.stored_bytes,
+            kv_cache_tokens=cache.num_cached_tokens,
+            device_name=self._device_name,
+            device_allocated_bytes=torch.cuda.memory_allocated(device) if on_cuda else None,
+            device_reserved_bytes=torch.cuda.memory_reserved(device) if on_cuda else None,
+            device_total_bytes=self._device_total_bytes,
+        )
+
+    @cached_property
+    def _device_name(self) -> str:
+        device = self.decoder.lm_head.weight.device
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+
+    @cached_property
+    def _device_total_bytes(self) -> int | None:
+        device = self.decoder.lm_head.weight.device
+        return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def _check_tokens(index: int, tokens: np.ndarray, vocab_size: int, max_length: int) -> None:

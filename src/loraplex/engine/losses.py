@@ -208,8 +208,10 @@ LOSSES: dict[str, LossSpec] = {
 
 # Names the protocol defines that we reject on purpose, with the reason given to the client.
 _UNSUPPORTED = {
-    "stable_reinforce": "its math is not public (it relies on stability information that Tinker's own "
-    "sampler records server-side); use 'importance_sampling' or 'ppo' instead",
+    "stable_reinforce": "its objective is not public (Tinker documents only that it uses information its own "
+    "sampler records under record_stability_info=True, which datums name by sequence_id provenance); use "
+    "'ppo' instead, or 'importance_sampling' on on-policy data. tinker-cookbook's async RL defaults to it: "
+    'pass AsyncConfig(loss_fn="ppo")',
     "custom": "server-side custom loss graphs are not supported; forward_backward_custom with a Python "
     "loss function works, because the client then sends only 'cross_entropy'",
 }

@@ -90,6 +90,11 @@ class SampleRequest:
     prompt_logprobs: bool = False  # logprob of each prompt token given the ones before it
     topk_prompt_logprobs: int = 0  # k > 0: the k likeliest ids and their logprobs at each prompt position
     prompt_logprobs_last_n: int | None = None  # score only the last n prompt positions; None = all
+    topk_sample_logprobs: int = 0  # k > 0: the k likeliest ids at each sampled position, and their logprobs
+    prompt_alt_tokens_k: int = 0  # k > 0: k draws at each prompt position after the first (sampling.py)
+    # (P - 1, K) int64: row i names ids whose logprobs to return at prompt position i + 1; -1 names none.
+    target_prompt_ids: np.ndarray | None = None
+    target_prompt_is_sparse: bool = False  # sent as sparse CSR; the engine hands it on to the result
     snapshot: Path | None = None  # a PEFT snapshot directory; None = the base model alone
 
 
@@ -100,6 +105,10 @@ class SampledSequence:
     tokens: np.ndarray  # (n,) int32
     logprobs: np.ndarray  # (n,) float32, each under the distribution it was drawn from (sampler/sampling.py)
     stop_reason: str  # "stop" (EOS, stop token or stop string) or "length" (max_tokens reached)
+    # topk_sample_logprobs: (n, k) per sampled position, likeliest first, under the distribution the token
+    # was drawn from; ids that distribution leaves out (top_k / top_p) are -1 with NaN logprobs.
+    topk_ids: np.ndarray | None = None  # (n, k) int32
+    topk_logprobs: np.ndarray | None = None  # (n, k) float32
 
 
 @dataclass
@@ -110,3 +119,7 @@ class SampleResult:
     prompt_logprobs: np.ndarray | None = None  # (P,) float32; NaN at 0 and before the last n
     topk_prompt_ids: np.ndarray | None = None  # (P, k) int32; -1 where not scored
     topk_prompt_logprobs: np.ndarray | None = None  # (P, k) float32; NaN where not scored
+    target_prompt_logprobs: np.ndarray | None = None  # (P - 1, K) float32; NaN where the request named -1
+    target_prompt_is_sparse: bool = False  # the request's target_prompt_ids came as sparse CSR
+    prompt_alt_ids: np.ndarray | None = None  # (P - 1, k) int32: the draws of prompt_alt_tokens_k
+    prompt_alt_logprobs: np.ndarray | None = None  # (P - 1, k) float32

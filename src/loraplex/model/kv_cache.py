@@ -74,6 +74,16 @@ class KVCache:
         return sum(length is not None for length in self._lengths)
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Tokens held in the live rows."""
+        return sum(length for length in self._lengths if length is not None)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of storage allocated now (every row at the current capacity, live or free)."""
+        return len(self._lengths) * self.capacity * self.bytes_per_token
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes one cached token takes in a row: its keys and values in every layer."""
         num_kv_heads, head_dim = self._head_shape

@@ -93,6 +93,11 @@ class Catalog:
         rows, total = self._store.tenant_checkpoints(tenant, limit, offset)
         return [_checkpoint_view(row) for row in rows], total
 
+    def checkpoint_usage(self, tenant: str) -> tuple[int, int]:
+        """How many checkpoints the tenant holds, and their bytes on disk (each checkpoint's files measured
+        when they were written; a checkpoint's directory never changes after that)."""
+        return self._store.tenant_checkpoint_usage(tenant)
+
     def published_checkpoints(self, tenant: str) -> list[CheckpointView]:
         """The checkpoints other tenants published (readable by `tenant`), newest first."""
         return [_checkpoint_view(row) for row in self._store.published_checkpoints(tenant)]

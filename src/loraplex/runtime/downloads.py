@@ -1,9 +1,10 @@
-"""Signed download tokens for the files of external-weights exports.
+"""Signed download tokens for the files of external-weights exports and for session traces.
 
-A token binds (tenant, checkpoint path, file, expiry) under an HMAC-SHA256 with a server secret that is
-generated once and kept in the data dir (`secret.key`, mode 0600), so tokens survive restarts and no
-one without the secret can mint or alter one. Whoever holds a token may fetch that one file until it
-expires, and only while the tenant it names still owns (or may read) the checkpoint. No HTTP, no tensors.
+A token binds (tenant, subject, file, expiry), the subject being a checkpoint path or a session id, under
+an HMAC-SHA256 with a server secret that is generated once and kept in the data dir (`secret.key`, mode
+0600), so tokens survive restarts and no one without the secret can mint or alter one. Whoever holds a
+token may fetch that one file until it expires, and only while the tenant it names still owns (or may
+read) the checkpoint or session. No HTTP, no tensors.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ class DownloadDeniedError(PermissionDeniedError):
 
 @dataclass(frozen=True)
 class Grant:
-    """What a valid token allows: one file of one checkpoint, for one tenant, until `expires` (epoch s)."""
+    """What a valid token allows: one file of one subject, for one tenant, until `expires` (epoch s)."""
 
     tenant: str
-    path: CheckpointPath
+    subject: str  # a checkpoint's tinker:// path, or a session id
     relpath: str
     expires: int
+
+    @property
+    def checkpoint(self) -> CheckpointPath:
+        """The subject as a checkpoint path (UserError if it is not one: a token for something else)."""
+        return CheckpointPath.parse(self.subject)
 
 
 class DownloadSigner:
@@ -46,9 +52,9 @@ class DownloadSigner:
         self._secret_file = data_dir / SECRET_FILE
         self._secret: bytes | None = None
 
-    def sign(self, tenant: str, path: CheckpointPath, relpath: str, expires: int) -> str:
-        """A URL-safe token for one file of a checkpoint."""
-        payload = _b64(json.dumps([tenant, str(path), relpath, expires], separators=(",", ":")).encode())
+    def sign(self, tenant: str, subject: CheckpointPath | str, relpath: str, expires: int) -> str:
+        """A URL-safe token for one file of a checkpoint, or of a session (its trace)."""
+        payload = _b64(json.dumps([tenant, str(subject), relpath, expires], separators=(",", ":")).encode())
         return f"{payload}.{self._mac(payload)}"
 
     def verify(self, token: str, relpath: str, now: float | None = None) -> Grant:
@@ -58,16 +64,17 @@ class DownloadSigner:
         if not mac or not hmac.compare_digest(mac, self._mac(payload)):
             raise DownloadDeniedError("invalid download token")
         try:
-            tenant, path, signed_relpath, expires = json.loads(base64.urlsafe_b64decode(payload + "=="))
+            tenant, subject, signed_relpath, expires = json.loads(base64.urlsafe_b64decode(payload + "=="))
         except ValueError as error:
             raise DownloadDeniedError("invalid download token") from error
         if signed_relpath != relpath:
             raise DownloadDeniedError("this download token is for another file")
         if (time.time() if now is None else now) >= expires:
             raise DownloadDeniedError(
-                "this download URL has expired; get new ones with RestClient.get_external_weights_urls"
+                "this download URL has expired; get a new one (RestClient.get_external_weights_urls, "
+                "RestClient.export_session_trace)"
             )
-        return Grant(tenant, CheckpointPath.parse(path), relpath, int(expires))
+        return Grant(tenant, subject, relpath, int(expires))
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._key(), payload.encode(), hashlib.sha256).digest())

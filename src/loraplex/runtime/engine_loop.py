@@ -30,9 +30,10 @@ from loraplex.runtime.futures import FutureTable
 from loraplex.runtime.retention import Retention
 from loraplex.runtime.run_queue import LOST, RunState
 from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleResult
-from loraplex.runtime.scheduler import Plan, Scheduler
+from loraplex.runtime.scheduler import Plan, Scheduler, work_items
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import utcnow
+from loraplex.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,14 @@ class EngineLoop:
         seq_gap_timeout_s: float,
         max_prefill_tokens: int,
         cond: threading.Condition,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.engine, self.executor, self.futures, self.sessions = engine, executor, futures, sessions
         self.layout, self.scheduler, self.active, self.cond = layout, scheduler, active, cond
         self.samples, self.max_prefill_tokens = samples, max_prefill_tokens
         self.retention, self.retention_sweep_s = retention, retention_sweep_s
         self.seq_gap_timeout_s = seq_gap_timeout_s
+        self.telemetry = telemetry or Telemetry()
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_lease_check = 0.0
@@ -99,21 +102,35 @@ class EngineLoop:
 
     def _cycle(self, plan: Plan, arrivals: list[SampleJob]) -> bool:
         """Carry out one plan and one sampler step; False if a residency move failed."""
+        start = time.perf_counter()
         healthy = all([self.executor.park(run) for run in plan.parks])
         for run in plan.admits:
             self.executor.admit(run)
         for work in plan.work:
             self.executor.execute(work)
+        planned = time.perf_counter()
         for job in arrivals:
             self._admit_sample(job)
         if self.engine.has_sampling_work():
             self._step_sampler()
+        if log.isEnabledFor(logging.DEBUG) and (plan or arrivals):
+            log.debug(
+                "cycle: parked %d, admitted %d, work %s, %d new samples; plan %.1f ms, sampling %.1f ms",
+                len(plan.parks),
+                len(plan.admits),
+                ", ".join(f"{type(w).__name__} of {len(work_items(w))}" for w in plan.work) or "none",
+                len(arrivals),
+                (planned - start) * 1000,
+                (time.perf_counter() - planned) * 1000,
+            )
         if time.monotonic() >= self._next_lease_check:
             self._next_lease_check = time.monotonic() + _LEASE_CHECK_S
             self._expire_leases()
+            self.telemetry.record_usage(self.engine.usage())
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self.retention_sweep_s
             self._sweep()
+        self.executor.history.flush_if_due()
         self._forget_quiet_runs()
         return healthy
 
@@ -209,12 +226,18 @@ class EngineLoop:
             snapshot = job.request.snapshot
             if job.export_from is not None and snapshot is not None and not snapshot.exists():
                 source = self.layout.checkpoint_dir(job.export_from)
-                self.engine.export_snapshot(source, snapshot, self.executor.source_owner(job.export_from))
+                owner = self.executor.source_owner(job.export_from)
+                track = self.executor.progress.track
+                with track(
+                    "export for sampler", job.tenant, str(job.export_from), reads=source, writes=snapshot
+                ):
+                    self.engine.export_snapshot(source, snapshot, owner)
             self.engine.add_sample(job.future_id, job.request)
         except Exception as exc:
             self._finish_samples({job.future_id: exc})
 
     def _step_sampler(self) -> None:
+        start = time.perf_counter()
         try:
             finished = self.engine.step_sampler(self.max_prefill_tokens)
         except Exception as exc:  # the engine dropped every request it held: fail them all
@@ -223,7 +246,9 @@ class EngineLoop:
                 dropped = self.samples.active_ids()
             self._finish_samples(dict.fromkeys(dropped, exc))
             return
+        elapsed_s = time.perf_counter() - start
         self._finish_samples(dict(finished))
+        self.telemetry.record_sampler_step(elapsed_s, self.engine.usage())
 
     def _finish_samples(self, outcomes: dict[str, SampleResult | Exception]) -> None:
         with self.cond:

@@ -18,7 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
-from loraplex.engine.types import PassRequest
+from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import CapacityError, ServerError, UserError
 from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout, owner_digest
 from loraplex.runtime.commands import (
@@ -31,10 +31,14 @@ from loraplex.runtime.commands import (
     SaveState,
 )
 from loraplex.runtime.futures import FutureTable
+from loraplex.runtime.history import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, MetricHistory
+from loraplex.runtime.progress import ProgressBoard
 from loraplex.runtime.run_queue import LIVE, LOST, PARKED, Entry, RunState
 from loraplex.runtime.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.store import Store, utcnow
+from loraplex.runtime.store.results import Result
 from loraplex.runtime.store.schema import CheckpointRow, RunRow, SamplerRow
+from loraplex.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +62,15 @@ class Executor:
         layout: DiskLayout,
         runs: dict[str, RunState],
         cond: threading.Condition,
+        telemetry: Telemetry | None = None,
+        history: MetricHistory | None = None,
+        progress: ProgressBoard | None = None,
     ) -> None:
         self.engine, self.store, self.futures, self.layout = engine, store, futures, layout
         self.runs, self.cond = runs, cond
+        self.telemetry = telemetry or Telemetry()
+        self.history = history or MetricHistory(store)
+        self.progress = progress or ProgressBoard()
 
     def execute(self, work: Work) -> None:
         """One work item; an unexpected failure fails its requests (as server errors), never the worker."""
@@ -85,23 +95,66 @@ class Executor:
             requests.append(
                 PassRequest(_slot_of(run), cmd.loss_fn, cmd.loss_fn_config, cmd.datums, cmd.forward_only)
             )
-        results = self.engine.run_pass(requests)
+        start = time.perf_counter()
+        results = self.engine.run_pass(requests, keep_undo=True)
+        self.telemetry.record_pass(
+            tokens=sum(entry.command.num_tokens for _, entry in items),  # type: ignore[union-attr]
+            requests=len(items),
+            runs=len({run.run_id for run, _ in items}),
+            tenants=len({run.tenant for run, _ in items}),
+            duration_s=time.perf_counter() - start,
+        )
+        had_gradients = [run.pending_gradients for run, _ in items]
         for (run, entry), result in zip(items, results, strict=True):
             if not isinstance(result, Exception) and not entry.command.forward_only:  # type: ignore[union-attr]
                 run.pending_gradients = True
-        self.futures.finish(
-            {entry.future_id: result for (_, entry), result in zip(items, results, strict=True)}
-        )
+        outcomes = {entry.future_id: result for (_, entry), result in zip(items, results, strict=True)}
+        if not self._finish_or_undo(outcomes, items, had_gradients):
+            return
+        for (run, entry), result in zip(items, results, strict=True):
+            if isinstance(result, PassResult):
+                self._record_pass_metrics(run, entry, result)
+
+    def _record_pass_metrics(self, run: RunState, entry: Entry, result: PassResult) -> None:
+        """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken."""
+        assert isinstance(entry.command, ForwardBackward)
+        if entry.command.forward_only:
+            self.history.record(run.run_id, entry.seq_id, run.optim_steps, FORWARD, result.metrics)
+        else:
+            step = run.optim_steps + 1
+            self.history.record(run.run_id, entry.seq_id, step, FORWARD_BACKWARD, result.metrics)
 
     def _run_optim(self, items: list[tuple[RunState, Entry]]) -> None:
         steps = {_slot_of(run): entry.command.params for run, entry in items}  # type: ignore[union-attr]
-        metrics = self.engine.optim_step(steps)
+        start = time.perf_counter()
+        metrics = self.engine.optim_step(steps, keep_undo=True)
+        self.telemetry.record_optim_step(len(steps), time.perf_counter() - start)
+        had_gradients = [run.pending_gradients for run, _ in items]
         for run, _ in items:
             run.pending_gradients = False
         # A skipped step's grad_norm is NaN or inf, which JSON cannot carry and the SDK's float metrics
         # refuse: it is left out; skipped_nonfinite says why.
         finite = {slot: {k: v for k, v in m.items() if math.isfinite(v)} for slot, m in metrics.items()}
-        self.futures.finish({entry.future_id: {"metrics": finite[run.slot]} for run, entry in items})  # type: ignore[index]
+        outcomes = {entry.future_id: {"metrics": finite[run.slot]} for run, entry in items}  # type: ignore[index]
+        if not self._finish_or_undo(outcomes, items, had_gradients):
+            return
+        for run, entry in items:
+            run.optim_steps += 1
+            self.history.record(run.run_id, entry.seq_id, run.optim_steps, OPTIM_STEP, metrics[run.slot])  # type: ignore[index]
+
+    def _finish_or_undo(
+        self, outcomes: dict[str, Result], items: list[tuple[RunState, Entry]], had_gradients: list[bool]
+    ) -> bool:
+        """Record a pass's or step's outcomes; True if recorded. If they cannot be recorded, its requests
+        fail: take the work back, so that their retry counts once (the engine keeps what it needs until its
+        next call)."""
+        if self.futures.finish(outcomes, undone_if_unrecorded=True):
+            return True
+        self.engine.undo_last()
+        for (run, _), pending in zip(items, had_gradients, strict=True):
+            run.pending_gradients = pending
+        log.warning("took back the work of %d requests whose outcomes could not be recorded", len(items))
+        return False
 
     def _run_barrier(self, run: RunState, entry: Entry) -> None:
         try:
@@ -115,12 +168,9 @@ class Executor:
         owner = owner_digest(run.tenant)
         slot = _slot_of(run)
         if isinstance(cmd, LoadState):
-            self.engine.load_state(
-                self.layout.checkpoint_dir(cmd.source),
-                self.source_owner(cmd.source),
-                cmd.with_optimizer,
-                slot=slot,
-            )
+            source = self.layout.checkpoint_dir(cmd.source)
+            with self.progress.track("load checkpoint", run.tenant, str(cmd.source), reads=source):
+                self.engine.load_state(source, self.source_owner(cmd.source), cmd.with_optimizer, slot=slot)
             run.pending_gradients = False
             return {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
         if isinstance(cmd, SaveState):
@@ -142,7 +192,8 @@ class Executor:
                     "session names one sampler"
                 )
             directory = self.layout.snapshot_dir(cmd.sampler_id)
-            self.engine.save_snapshot(slot, directory)
+            with self.progress.track("save sampler snapshot", run.tenant, cmd.sampler_id, writes=directory):
+                self.engine.save_snapshot(slot, directory)
             self.store.add_sampler(
                 SamplerRow(
                     id=cmd.sampler_id,
@@ -170,7 +221,9 @@ class Executor:
             raise UserError(
                 f"checkpoint {path} already exists; pick another name or save with overwrite=True"
             )
-        size = write(self.layout.checkpoint_dir(path))
+        directory = self.layout.checkpoint_dir(path)
+        with self.progress.track(_SAVE_KINDS[path.kind], run.tenant, str(path), writes=directory):
+            size = write(directory)
         now = utcnow()
         expires = None if cmd.ttl_seconds is None else now + timedelta(seconds=cmd.ttl_seconds)
         self.store.put_checkpoint(
@@ -202,7 +255,8 @@ class Executor:
         slot = _slot_of(run)
         directory = self.layout.parked_dir(run.run_id)
         try:
-            self.engine.save_state(slot, directory, owner_digest(run.tenant), with_gradients=True)
+            with self.progress.track("park run", run.tenant, run.run_id, writes=directory):
+                self.engine.save_state(slot, directory, owner_digest(run.tenant), with_gradients=True)
             self.engine.free_slot(slot)
         except Exception:
             log.exception("could not park run %s; it stays resident", run.run_id)
@@ -240,9 +294,10 @@ class Executor:
                 result: dict[str, object] = {"model_id": run.run_id, "type": "create_model"}
             elif isinstance(cmd, CreateRunFromCheckpoint):
                 source = self.layout.checkpoint_dir(cmd.source)
-                run.slot, run.lora_config = self.engine.load_state(
-                    source, self.source_owner(cmd.source), cmd.with_optimizer
-                )
+                with self.progress.track("load checkpoint", run.tenant, str(cmd.source), reads=source):
+                    run.slot, run.lora_config = self.engine.load_state(
+                        source, self.source_owner(cmd.source), cmd.with_optimizer
+                    )
                 result = {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
             else:
                 raise ServerError(f"run {run.run_id} has no slot and starts with {type(cmd).__name__}")
@@ -268,7 +323,8 @@ class Executor:
         assert run.parked_dir is not None
         directory = run.parked_dir
         try:
-            run.slot, _ = self.engine.load_state(directory, owner_digest(run.tenant), True)
+            with self.progress.track("load parked run", run.tenant, run.run_id, reads=directory):
+                run.slot, _ = self.engine.load_state(directory, owner_digest(run.tenant), True)
         except CapacityError:
             raise
         except Exception as exc:
@@ -315,6 +371,14 @@ class Executor:
                 last_request_at=now,
             )
         )
+
+
+# What saving each kind of checkpoint is called where work in progress is shown (progress.py).
+_SAVE_KINDS = {
+    "weights": "save checkpoint",
+    "sampler_weights": "save sampler weights",
+    "external_weights": "export weights",
+}
 
 
 def _slot_of(run: RunState) -> int:

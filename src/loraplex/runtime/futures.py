@@ -20,6 +20,7 @@ from loraplex.errors import LoraplexError, NotFoundError, ServerError, UserError
 from loraplex.runtime.store import FutureOutcome, Store, utcnow
 from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
+from loraplex.runtime.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,11 @@ def error_category(error: BaseException) -> str:
 class FutureTable:
     """All futures of the service, keyed by request id."""
 
-    def __init__(self, store: Store, retention_s: float, retained: int = 4096) -> None:
+    def __init__(
+        self, store: Store, retention_s: float, retained: int = 4096, telemetry: Telemetry | None = None
+    ) -> None:
         self._store = store
+        self._telemetry = telemetry
         self._retention_s = retention_s  # how long finished futures stay in the database (retention.py)
         self._retained = retained  # finished records kept in memory; older ones are read from the DB
         self._lock = threading.Lock()
@@ -117,16 +121,21 @@ class FutureTable:
         if pending:
             self.fail(future_id, error)
 
-    def finish(self, outcomes: Mapping[str, Result | BaseException]) -> None:
+    def finish(
+        self, outcomes: Mapping[str, Result | BaseException], undone_if_unrecorded: bool = False
+    ) -> bool:
         """Resolve futures, each with its result or its error, in one database transaction (a fused pass
-        answers many requests at once: one commit, not one per request), then wake their waiters.
+        answers many requests at once: one commit, not one per request), then wake their waiters; True if
+        the outcomes were recorded.
 
         The write is retried with backoff; if the database still refuses, the futures fail in memory with a
         server error saying so (their rows stay pending and read as failed after a restart), and the caller
-        goes on: a database fault must not end the worker.
+        goes on: a database fault must not end the worker. undone_if_unrecorded: the caller takes back the
+        work behind these outcomes when this returns False, and the error tells the client so.
         """
         rows = [_outcome_row(future_id, outcome) for future_id, outcome in outcomes.items()]
         results = [None if isinstance(o, BaseException) else o for o in outcomes.values()]
+        recorded = True
         for attempt, pause_s in enumerate((*_WRITE_RETRY_PAUSES_S, None)):
             try:
                 self._store.finish_futures(rows)
@@ -134,21 +143,28 @@ class FutureTable:
             except Exception as exc:
                 if pause_s is None:
                     log.exception("could not record %d request outcomes; failing them in memory", len(rows))
+                    undone = "; nothing it did was kept, so it can be retried" if undone_if_unrecorded else ""
                     unrecorded = ServerError(
                         f"the server could not record this request's outcome ({type(exc).__name__}; the "
-                        "server log has the details)"
+                        f"server log has the details){undone}"
                     )
                     rows = [_outcome_row(row.id, unrecorded) for row in rows]
                     results = [None] * len(rows)
+                    recorded = False
                     break
                 log.warning("recording %d outcomes failed (attempt %d): %s", len(rows), attempt + 1, exc)
                 time.sleep(pause_s)
         waiters = []
+        complete, failed = 0, dict[str, int]()  # for telemetry: finished with a result; failed, by category
         with self._lock:
             for row, result in zip(rows, results, strict=True):
                 record = self._pending.pop(row.id, None)
                 if record is None:  # finished already (e.g. a restart raced a late result)
                     continue
+                if row.category is None:
+                    complete += 1
+                else:
+                    failed[row.category] = failed.get(row.category, 0) + 1
                 record.status, record.error, record.category = row.status, row.error, row.category
                 record.result = result
                 self._done[row.id] = record
@@ -156,8 +172,16 @@ class FutureTable:
                 record._waiters = []
             while len(self._done) > self._retained:
                 self._done.popitem(last=False)
+            if self._telemetry is not None:  # with the outcomes: whoever sees one done sees it counted
+                self._telemetry.record_outcomes(complete, failed)
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_resolve, waiter)
+        return recorded
+
+    def pending_count(self) -> int:
+        """Futures not finished yet."""
+        with self._lock:
+            return len(self._pending)
 
     def get(self, future_id: str, tenant: str) -> FutureRecord:
         """A future of `tenant` (NotFoundError for unknown ids and other tenants' futures alike)."""

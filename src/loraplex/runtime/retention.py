@@ -9,6 +9,9 @@
   `snapshot_idle_s`. Samplers over named checkpoints or the base model cost a row and stay while their
   session lives.
 - Named checkpoints saved with a TTL (or given one later) are deleted once it runs out.
+- A run's metric history (runtime/history.py: one record per forward_backward, forward or optim_step)
+  keeps its newest `max_metrics_per_run` records, and goes whole once the run has not been used for
+  `metric_retention_s`.
 - Nothing that a queued or running request reads is deleted: the caller passes those directories as
   `in_use`, and the sweep runs on the engine worker's thread, between the cycles that read them.
 
@@ -37,6 +40,8 @@ class RetentionPolicy:
     future_retention_s: float
     snapshot_idle_s: float
     session_timeout_s: float
+    metric_retention_s: float = 2_592_000.0
+    max_metrics_per_run: int = 100_000
 
 
 @dataclass
@@ -44,6 +49,7 @@ class Removal:
     """What one sweep removes (or, from `due`, would remove)."""
 
     futures: int = 0
+    metrics: int = 0  # metric history records
     checkpoints: list[CheckpointPath] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)  # sampler ids; their own weight directories go too
     directories: list[Path] = field(default_factory=list)  # every directory deleted, checkpoints included
@@ -51,7 +57,7 @@ class Removal:
     kept_in_use: int = 0  # due, but read by a request in flight: kept for a later sweep
 
     def __bool__(self) -> bool:
-        return bool(self.futures or self.checkpoints or self.samplers)
+        return bool(self.futures or self.metrics or self.checkpoints or self.samplers)
 
 
 class Retention:
@@ -64,6 +70,7 @@ class Retention:
         """What a sweep at `now` would remove, leaving alone what `in_use` names."""
         removal = Removal()
         removal.futures = self.store.count_prunable_futures(now - _seconds(self.policy.future_retention_s))
+        removal.metrics = self.store.count_prunable_metrics(*self._metric_bounds(now))
         for row in self.store.expired_checkpoints(now):
             path = CheckpointPath(row.run_id, row.kind, row.name)
             directory = self.layout.checkpoint_dir(path)
@@ -94,6 +101,8 @@ class Retention:
         removal = self.due(now, in_use)
         if removal.futures:
             self.store.prune_futures(now - _seconds(self.policy.future_retention_s))
+        if removal.metrics:
+            self.store.prune_metrics(*self._metric_bounds(now))
         for path in removal.checkpoints:
             self.store.delete_checkpoint(path.run_id, path.kind, path.name)
         for sampler_id in removal.samplers:
@@ -102,12 +111,18 @@ class Retention:
             shutil.rmtree(directory, ignore_errors=True)
         if removal:
             log.info(
-                "retention removed %d futures, %d expired checkpoints, %d unreachable samplers",
+                "retention removed %d futures, %d metric records, %d expired checkpoints, %d unreachable "
+                "samplers",
                 removal.futures,
+                removal.metrics,
                 len(removal.checkpoints),
                 len(removal.samplers),
             )
         return removal
+
+    def _metric_bounds(self, now: datetime) -> tuple[datetime, int]:
+        """Runs unused since this time lose their metric history; every run keeps at most this many."""
+        return now - _seconds(self.policy.metric_retention_s), self.policy.max_metrics_per_run
 
     def _unreachable(self, row: SamplerRow, session: SessionRow | None, now: datetime) -> bool:
         """Whether the sampler goes (module docstring): its session is gone, or silent and the sampler

@@ -136,6 +136,8 @@ class RunState:
     pending_gradients: bool = False
     waiting_since: float | None = None
     last_active: float = 0.0  # time.monotonic() of its last planned work: the least recent is parked first
+    # Optimizer steps taken on this server (the engine worker's to change): numbers its metric history.
+    optim_steps: int = 0
 
     def has_slot(self) -> bool:
         """Whether the run's adapter is resident in the engine."""

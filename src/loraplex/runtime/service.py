@@ -33,18 +33,24 @@ from loraplex.runtime.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.console import Console
 from loraplex.runtime.downloads import DownloadSigner
 from loraplex.runtime.engine_loop import EngineLoop
 from loraplex.runtime.execution import Executor, lost_run_error
 from loraplex.runtime.futures import FutureRecord, FutureTable
-from loraplex.runtime.keys import TenantResolver
+from loraplex.runtime.history import MetricHistory
+from loraplex.runtime.keys import ConsoleLogins, TenantResolver
+from loraplex.runtime.progress import ProgressBoard
 from loraplex.runtime.retention import Retention, RetentionPolicy
 from loraplex.runtime.run_queue import LOST, PARKED, Entry, RunQueue, RunState
 from loraplex.runtime.sampling import SampleJob, SampleQueue, SampleRequest
 from loraplex.runtime.scheduler import Gathering, Scheduler
+from loraplex.runtime.session_search import SessionSearch
+from loraplex.runtime.session_trace import SessionTraces
 from loraplex.runtime.sessions import SessionTable
 from loraplex.runtime.store import Store, utcnow
 from loraplex.runtime.store.schema import SamplerRow
+from loraplex.runtime.telemetry import Occupancy, Telemetry, queue_kind
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +62,23 @@ class TrainingService:
 
     def __init__(self, engine: Engine, store: Store, config: ServerConfig) -> None:
         self.engine, self.store, self.config = engine, store, config
+        self.telemetry = Telemetry(engine.info.device)
+        self.telemetry.occupancy_source = self._occupancy
+        store.observe = self.telemetry.record_db_call
         self.layout = DiskLayout(config.data_dir)
-        self.futures = FutureTable(store, config.future_retention_s)
+        self.futures = FutureTable(store, config.future_retention_s, telemetry=self.telemetry)
         self.sessions = SessionTable(store, config.session_timeout_s)
         self.catalog = Catalog(store, self.layout)
+        self.session_search = SessionSearch(store, self.sessions.is_live)
+        self.session_traces = SessionTraces(store, self.catalog)
         self.tenants = TenantResolver(store, config.auth)
         self.downloads = DownloadSigner(config.data_dir)
+        self.history = MetricHistory(store)
+        self.progress = ProgressBoard()
+        self.logins = ConsoleLogins(store, config.auth)
+        self.console = Console(
+            store, self.layout, self.catalog, self.history, self.progress, self.telemetry, self.downloads
+        )
         self._cond = threading.Condition()
         self._runs: dict[str, RunState] = {}  # every run this server knows
         self._active: dict[str, RunState] = {}  # the runs the scheduler looks at: resident or with commands
@@ -74,7 +91,17 @@ class TrainingService:
             Gathering(config.pass_gather_quiet_ms / 1000, config.pass_gather_max_ms / 1000),
             config.slot_wait_s,
         )
-        executor = Executor(engine, store, self.futures, self.layout, self._runs, self._cond)
+        executor = Executor(
+            engine,
+            store,
+            self.futures,
+            self.layout,
+            self._runs,
+            self._cond,
+            self.telemetry,
+            self.history,
+            self.progress,
+        )
         self.engine_loop = EngineLoop(
             engine,
             executor,
@@ -87,12 +114,19 @@ class TrainingService:
             Retention(
                 store,
                 self.layout,
-                RetentionPolicy(config.future_retention_s, config.snapshot_idle_s, config.session_timeout_s),
+                RetentionPolicy(
+                    config.future_retention_s,
+                    config.snapshot_idle_s,
+                    config.session_timeout_s,
+                    config.metric_retention_s,
+                    config.max_metrics_per_run,
+                ),
             ),
             config.retention_sweep_s,
             config.seq_gap_timeout_s,
             config.max_prefill_tokens,
             self._cond,
+            self.telemetry,
         )
 
     @classmethod
@@ -114,6 +148,7 @@ class TrainingService:
         """Stop the engine worker, park the runs it held (so a restart resumes them), close the database."""
         self.engine_loop.stop()
         self.engine_loop.park_all()
+        self.history.flush()
         self.store.close()
 
     # --- runs
@@ -241,6 +276,30 @@ class TrainingService:
         return record
 
     # --- internals
+    def _occupancy(self) -> Occupancy:
+        """Slots, runs and queues now, for telemetry snapshots (under the lock: O(runs + queued))."""
+        depth: dict[str, int] = {}
+        with self._cond:
+            resident = sum(run.slot is not None for run in self._active.values())
+            parked = sum(run.status == PARKED for run in self._runs.values())
+            waiting = 0
+            for run in self._active.values():
+                pending = run.queue.pending()
+                waiting += run.slot is None and bool(pending)
+                for entry in pending:
+                    if entry.command is not None:
+                        kind = queue_kind(entry.command)
+                        depth[kind] = depth.get(kind, 0) + 1
+            depth["sample"] = len(self.samples.jobs())
+        return Occupancy(
+            slots_used=resident,
+            slots_total=self.engine.max_slots,
+            runs_parked=parked,
+            runs_waiting=waiting,
+            queue_depth=depth,
+            futures_pending=self.futures.pending_count(),
+        )
+
     def _enqueue(
         self,
         run: RunState,
@@ -397,6 +456,7 @@ class TrainingService:
                 status=status,
                 user_metadata=row.user_metadata or {},
                 parked_dir=parked if status == PARKED else None,
+                optim_steps=row.last_step or 0,
             )
         if failed or self._runs or removed:
             log.info(

@@ -31,7 +31,7 @@ class SessionTable:
         self._lock = threading.Lock()
         self._last_seen: dict[str, float] = {}  # live sessions only
 
-    def create(self, tenant: str, user_metadata: dict[str, Any]) -> str:
+    def create(self, tenant: str, user_metadata: dict[str, Any], display_name: str | None = None) -> str:
         """Start a session and its lease; return its id (no '/' or ':', as run ids embed it)."""
         session_id = f"s{uuid.uuid4().hex[:16]}"
         now = utcnow()
@@ -42,6 +42,7 @@ class SessionTable:
                 created_at=now,
                 last_heartbeat_at=now,
                 user_metadata=user_metadata,
+                display_name=display_name,
             )
         )
         with self._lock:

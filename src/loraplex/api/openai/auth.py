@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from loraplex.api.request_log import note_request
 from loraplex.errors import AuthenticationError
 from loraplex.runtime.inference import InferenceService
 
@@ -33,7 +34,9 @@ async def bearer_tenant(
         raise AuthenticationError("missing API key: send it as the header Authorization: Bearer tml-...")
     inference: InferenceService = request.app.state.inference
     # A key is looked up in the database: on a worker thread, not the event loop every request shares.
-    return await asyncio.to_thread(inference.service.tenants.tenant_for, key)
+    tenant = await asyncio.to_thread(inference.service.tenants.tenant_for, key)
+    note_request(tenant=tenant)
+    return tenant
 
 
 Inference = Annotated[InferenceService, Depends(inference_of)]

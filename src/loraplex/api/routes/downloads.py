@@ -45,11 +45,11 @@ def external_weights_urls(
 @router.get("/downloads/{token}/{relpath:path}")
 def download(token: str, relpath: str, service: Service) -> FileResponse:
     grant = service.downloads.verify(token, relpath)
-    service.catalog.checkpoint(grant.tenant, grant.path)  # deleted or no longer readable: 404
-    root = service.layout.checkpoint_dir(grant.path)
+    service.catalog.checkpoint(grant.tenant, grant.checkpoint)  # deleted or no longer readable: 404
+    root = service.layout.checkpoint_dir(grant.checkpoint)
     file = root / relpath
     if relpath not in _files(root) or not file.is_file():
-        raise NotFoundError(f"{relpath} is not a file of {grant.path}")
+        raise NotFoundError(f"{relpath} is not a file of {grant.checkpoint}")
     return FileResponse(file, media_type="application/octet-stream")
 
 

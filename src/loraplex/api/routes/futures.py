@@ -16,6 +16,7 @@ from loraplex.api.codecs import (
     json_safe,
     sample_response_json,
 )
+from loraplex.api.request_log import note_request
 from loraplex.api.wire import RetrieveFutureRequest
 from loraplex.runtime.commands import PassResult
 from loraplex.runtime.sampling import SampleResult
@@ -35,6 +36,7 @@ _ENCODINGS: dict[type, tuple[Callable[[Any], bytes], Callable[[Any], dict[str, A
 async def retrieve_future(
     body: RetrieveFutureRequest, request: Request, service: Service, tenant: Tenant
 ) -> Response:
+    note_request(future_id=body.request_id)
     record = await service.retrieve(tenant, body.request_id)
     if not record.is_done:
         return JSONResponse({"type": "try_again", "request_id": record.id, "queue_state": "active"})

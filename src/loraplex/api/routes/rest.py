@@ -1,4 +1,5 @@
-"""REST routes of RestClient: training runs, checkpoints (list, delete), weights_info. All owner-checked.
+"""REST routes of RestClient: training runs, checkpoints (list, delete, storage usage), weights_info. All
+owner-checked.
 
 Handlers that read or write the database are plain `def`: FastAPI runs them on its worker threads, never
 on the event loop."""
@@ -10,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 
 from loraplex.api.auth import Service, Tenant
+from loraplex.api.routes.unsupported import unsupported
 from loraplex.api.wire import WeightsInfoRequest, checkpoint_json, lora_info_json, training_run_json
 from loraplex.runtime.checkpoints import CheckpointPath
 
@@ -54,6 +56,26 @@ def list_checkpoints(
     views, total = service.catalog.tenant_checkpoints(tenant, limit, offset)
     cursor = {"offset": offset, "limit": limit, "total_count": total}
     return {"checkpoints": [checkpoint_json(c) for c in views], "cursor": cursor}
+
+
+@router.get("/billing/usage/checkpoints/current")
+def checkpoint_storage(service: Service, tenant: Tenant, project_id: str | None = None) -> dict[str, Any]:
+    """The caller's checkpoint count and bytes (AdminClient.get_current_checkpoint_storage_usage, `tinker
+    billing checkpoint-storage`): one row, or none without checkpoints; no rates or costs."""
+    if project_id is not None:
+        raise unsupported("projects", "project_id of GET /api/v1/billing/usage/checkpoints/current")
+    count, size = service.catalog.checkpoint_usage(tenant)
+    row = {
+        "project_id": None,
+        "org_user_urn": None,
+        "user_email": None,
+        "user_name": tenant,
+        "checkpoint_count": count,
+        "size_bytes": size,
+        "size_gigabytes": size / 1e9,
+        "estimated_monthly_cost_usd": None,
+    }
+    return {"effective_rate_usd_per_gigabyte_month": None, "data": [row] if count else []}
 
 
 @router.post("/weights_info")

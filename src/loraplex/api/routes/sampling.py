@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter
 
 from loraplex.api.auth import Service, Tenant
+from loraplex.api.request_log import note_request
 from loraplex.api.wire import AsampleRequest, CreateSamplingSessionRequest
 from loraplex.runtime.sampling import sample_sequence_ids
 
@@ -35,5 +36,7 @@ def get_sampler(sampler_id: str, service: Service, tenant: Tenant) -> dict[str, 
 
 @router.post("/asample")
 def asample(body: AsampleRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    note_request(sampler_id=body.sampling_session_id, seq_id=body.seq_id)
     record = service.sample(tenant, body.sampling_session_id, body.seq_id, body.to_request())
+    note_request(future_id=record.id)
     return {"request_id": record.id, "sample_sequence_ids": sample_sequence_ids(record.id, body.num_samples)}

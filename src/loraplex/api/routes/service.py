@@ -53,7 +53,7 @@ async def telemetry(_tenant: Tenant) -> dict[str, str]:
 
 @router.post("/create_session")
 def create_session(body: CreateSessionRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    session_id = service.sessions.create(tenant, body.user_metadata)
+    session_id = service.sessions.create(tenant, body.user_metadata, body.display_name)
     return {"session_id": session_id, "type": "create_session"}
 
 

@@ -1,13 +1,11 @@
-"""REST routes of RestClient over what a tenant owns: publish/unpublish and the TTL of a checkpoint, and the
-tenant's sessions. All owner-checked; a published checkpoint is readable (loadable, sampleable) by every
-tenant of this server, and stays writable (TTL, publish, delete) by its owner alone.
+"""REST routes of RestClient over what a tenant owns: publish/unpublish and the TTL of a checkpoint. All
+owner-checked; a published checkpoint is readable (loadable, sampleable) by every tenant of this server, and
+stays writable (TTL, publish, delete) by its owner alone.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Query
+from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.auth import Service, Tenant
@@ -42,23 +40,3 @@ async def set_ttl(
     run_id: str, kind: str, name: str, body: SetTtlRequest, service: Service, tenant: Tenant
 ) -> None:
     await run_in_threadpool(service.catalog.set_ttl, tenant, _path(run_id, kind, name), body.ttl_seconds)
-
-
-@router.get("/sessions")
-async def list_sessions(
-    service: Service,
-    tenant: Tenant,
-    limit: int = Query(20, ge=1, le=1000),
-    offset: Annotated[int, Query(ge=0, lt=2**63)] = 0,
-) -> dict[str, Any]:
-    return {"sessions": await run_in_threadpool(service.catalog.session_ids, tenant, limit, offset)}
-
-
-@router.get("/sessions/{session_id}")
-async def get_session(session_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
-    view = await run_in_threadpool(service.catalog.session, tenant, session_id)
-    return {
-        "training_run_ids": view.training_run_ids,
-        "sampler_ids": view.sampler_ids,
-        "user_metadata": {str(k): str(v) for k, v in view.user_metadata.items()} or None,
-    }

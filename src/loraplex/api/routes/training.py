@@ -28,6 +28,7 @@ from loraplex.api.codecs import (
     forward_backward_command,
     parse_forward_backward,
 )
+from loraplex.api.request_log import note_request
 from loraplex.api.wire import (
     CreateModelRequest,
     LoadWeightsRequest,
@@ -53,7 +54,8 @@ class UnprocessableBodyError(UserError):
     status_code = 422
 
 
-def _future(record: FutureRecord, model_id: str) -> dict[str, Any]:
+def _future(record: FutureRecord, model_id: str, seq_id: int | None = None) -> dict[str, Any]:
+    note_request(run_id=model_id, seq_id=seq_id, future_id=record.id)
     return {"request_id": record.id, "model_id": model_id}
 
 
@@ -84,9 +86,10 @@ async def _submit_ordered(
         refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
         model_id, seq_id = _run_and_seq_id(raw, refusal)
         record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, request_type, refusal)
-        return _future(record, model_id)
+        return _future(record, model_id, seq_id)
     model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
-    return _future(await run_in_threadpool(service.submit, tenant, model_id, seq_id, command), model_id)
+    record = await run_in_threadpool(service.submit, tenant, model_id, seq_id, command)
+    return _future(record, model_id, seq_id)
 
 
 def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
@@ -105,7 +108,7 @@ def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
 @router.post("/create_model")
 def create_model(body: CreateModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
     record = service.create_run(tenant, body.session_id, body.model_seq_id, body.to_command())
-    return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
+    return _future(record, f"{body.session_id}:train:{body.model_seq_id}", 0)
 
 
 @router.post("/load_weights", **_json_route(LoadWeightsRequest))
@@ -162,8 +165,9 @@ async def forward_backward(request: Request, service: Service, tenant: Tenant) -
         command = forward_backward_command(msg)
     except UserError as refusal:
         record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal)
-        return _future(record, model_id)
-    return _future(await run_in_threadpool(service.submit, tenant, model_id, seq_id, command), model_id)
+        return _future(record, model_id, seq_id)
+    record = await run_in_threadpool(service.submit, tenant, model_id, seq_id, command)
+    return _future(record, model_id, seq_id)
 
 
 @router.post("/optim_step", **_json_route(OptimStepRequest))

@@ -20,14 +20,11 @@ UNSUPPORTED: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "/training_runs/{run_id}/checkpoints/{kind}/{name}/archive",
         "checkpoint archives (SDK <= 0.32)",
     ),
-    (("POST",), "/sessions/search", "searching sessions"),
-    (("GET",), "/sessions/{session_id}/trace_export", "session trace export"),
     (("PUT",), "/sessions/{session_id}/project", "projects"),
     (("GET", "DELETE"), "/auth/apikey/me", "API key details (tinker auth login/logout)"),
     (("POST",), "/auth/token", "JWT authentication"),
     (("GET",), "/audit", "audit logs"),
     (("GET",), "/billing/usage/events", "billing"),
-    (("GET",), "/billing/usage/checkpoints/current", "billing"),
     (("POST",), "/copy_weights", "copying weights between projects"),
     (("POST",), "/unload_model", "unload_model (sessions end with /sessions/{id}/finish)"),
     # Behind client/config flags this server leaves off; named in case a client turns them on.
@@ -42,6 +39,11 @@ class UnsupportedError(UserError):
     """A request for something this server does not do (400; the SDK does not retry it)."""
 
 
+def unsupported(feature: str, where: str) -> UnsupportedError:
+    """The refusal of `feature`, asked for by `where` (a route, or a field of one)."""
+    return UnsupportedError(f"{feature} is not supported by this server ({where})")
+
+
 def _refuse(feature: str | None) -> Callable[[Request], Awaitable[None]]:
     """An endpoint that refuses `feature` (None: whatever the request asked for)."""
 
@@ -52,7 +54,7 @@ def _refuse(feature: str | None) -> Callable[[Request], Awaitable[None]]:
                 f"{what} is not a route of this server; loraplex serves the Tinker API of the tinker SDK "
                 "0.38.0 (training, sampling, checkpoints)"
             )
-        raise UnsupportedError(f"{feature} is not supported by this server ({what})")
+        raise unsupported(feature, what)
 
     return refuse
 

@@ -37,7 +37,7 @@ from loraplex.engine.distributed.protocol import (
     scatter_commands,
 )
 from loraplex.engine.distributed.replica import answer
-from loraplex.engine.interface import Engine
+from loraplex.engine.interface import Engine, EngineUsage
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_tokens
 from loraplex.engine.types import (
@@ -99,12 +99,13 @@ class DistributedEngine(Engine):
         """Raise UserError naming datum index, key and expectation; touches no state."""
         self.local.validate_pass_request(request)
 
-    def run_pass(self, requests: list[PassRequest]) -> list[PassResult | UserError]:
+    def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         """All requests in one pass spread over the ranks: each runs a contiguous share of the datums.
 
         Semantics: equal to `LocalEngine.run_pass(requests)` on one rank. Rejected requests are answered
         by rank 0 and never sent; per-datum outputs come back in order; metrics are recomputed from them
         (sharding.py); each rank's training datums add into its own accumulators, which `optim_step` sums.
+        Every rank keeps its undo copies whatever keep_undo says: a failed share is rolled back on all.
         """
         self.local.require_live_slots(requests)
         results: list[PassResult | UserError | None] = [None] * len(requests)
@@ -126,13 +127,20 @@ class DistributedEngine(Engine):
                 results[index] = result
         return results  # type: ignore[return-value]  # every request got its result or error above
 
-    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
-        """One fused AdamW step of the given slots on every rank, after one all-reduce of their gradients."""
+    def optim_step(
+        self, steps: dict[int, AdamParams], keep_undo: bool = False
+    ) -> dict[int, dict[str, float]]:
+        """One fused AdamW step of the given slots on every rank, after one all-reduce of their gradients
+        (every rank keeps its undo copies, as in run_pass)."""
         if not steps:
             return {}
         for slot in steps:
             self.local.pool.get(slot)  # NotFoundError before anything is sent
         return self._exchange([StepSlots(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
+
+    def undo_last(self) -> None:
+        """Every rank takes back its part of the last pass or step."""
+        self._exchange([Rollback()] * self._group.world_size)
 
     # --- slots: changed on rank 0 first, then copied
     def create_slot(self, config: LoraConfig) -> int:
@@ -195,6 +203,10 @@ class DistributedEngine(Engine):
     def has_sampling_work(self) -> bool:
         """Whether rank 0's sampler has work."""
         return self.local.has_sampling_work()
+
+    def usage(self) -> EngineUsage:
+        """Rank 0's: its sampler and its device's memory."""
+        return self.local.usage()
 
     # --- exchanges, failure and shutdown
     def _exchange(self, commands: list[RankCommand]) -> list[object]:

@@ -6,7 +6,8 @@ runs. Admission prefills its prompt once (packed with the other prompts
 admitted in the same step) into a KV-cache row, copies that row for each further sample, scores the
 prompt if asked and draws every sample's first token from the prompt's last position. Each step then
 feeds every active sequence's last token at once, the batch ordered by snapshot so that each
-snapshot's rows form one LoRA routing segment, and draws the next tokens. A sequence leaves the batch
+snapshot's rows form one LoRA routing segment, and draws the next tokens (and, for the rows that ask,
+the top-k of the distribution each was drawn from). A sequence leaves the batch
 (and frees its row) when it stops; a request finishes when all its samples have.
 Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures (keys are the caller's).
 
@@ -26,8 +27,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from loraplex.engine.sampler.prompt_scores import PromptScores, score_prompt
-from loraplex.engine.sampler.sampling import draw_tokens
+from loraplex.engine.sampler.prompt_scores import PromptAsks, PromptScores, score_prompt
+from loraplex.engine.sampler.sampling import draw_tokens, top_logprobs
 from loraplex.engine.sampler.snapshot_cache import SnapshotCache
 from loraplex.engine.sampler.stops import StopChecker, read_eos_token_ids
 from loraplex.engine.sampler.validation import (
@@ -54,15 +55,21 @@ class _Sequence:
     max_tokens: int
     generator: torch.Generator
     stops: StopChecker
+    topk_width: int = 0  # topk_sample_logprobs: how many of the likeliest ids each drawn token reports
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_ids: list[np.ndarray] = field(default_factory=list)  # per token, (topk_width,) int32
+    topk_logprobs: list[np.ndarray] = field(default_factory=list)  # per token, (topk_width,) float32
     stop_reason: str | None = None  # "stop" or "length" once finished
 
     def to_result(self) -> SampledSequence:
         """The finished sample as plain arrays."""
         assert self.stop_reason is not None  # only finished sequences are returned
         tokens, logprobs = np.asarray(self.tokens, np.int32), np.asarray(self.logprobs, np.float32)
-        return SampledSequence(tokens, logprobs, self.stop_reason)
+        if not self.topk_width:
+            return SampledSequence(tokens, logprobs, self.stop_reason)
+        topk_ids, topk_logprobs = np.stack(self.topk_ids), np.stack(self.topk_logprobs)
+        return SampledSequence(tokens, logprobs, self.stop_reason, topk_ids, topk_logprobs)
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Job:
     request: SampleRequest
     snapshot_id: int | None  # None = the base model alone
     sequences: list[_Sequence]
+    alt_uniforms_RA: Tensor | None = None  # (P - 1, prompt_alt_tokens_k) float64, from the request's seed
     scores: PromptScores | None = None
 
     @property
@@ -102,6 +110,8 @@ class Sampler:
         self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity)
         self._waiting: deque[tuple[str, SampleRequest]] = deque()
         self._jobs: dict[str, _Job] = {}  # admitted, in admission order
+        self.prefill_tokens = 0  # prompt tokens prefilled since start, for telemetry
+        self.sampled_tokens = 0  # tokens drawn since start, for telemetry
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -226,18 +236,28 @@ class Sampler:
         params = request.params
         stop_ids = _stop_token_ids(params.stop, self.eos_token_ids)
         stop_strings = [item for item in params.stop or () if isinstance(item, str)]
-        seeds = np.random.SeedSequence(params.seed).spawn(request.num_samples)
+        # One generator per sample, and one more for the prompt's draws: spawning one more leaves the
+        # samples' generators as they were.
+        generators = [
+            torch.Generator().manual_seed(int(seed.generate_state(1, np.uint64)[0]))
+            for seed in np.random.SeedSequence(params.seed).spawn(request.num_samples + 1)
+        ]
         sequences = [
             _Sequence(
                 row=self.cache.allocate(self._row_length(request)),
                 params=params,
                 max_tokens=max_tokens,
-                generator=torch.Generator().manual_seed(int(seed.generate_state(1, np.uint64)[0])),
+                generator=generator,
                 stops=StopChecker(stop_ids, stop_strings, self.tokenizer),
+                topk_width=request.topk_sample_logprobs,
             )
-            for seed in seeds
+            for generator in generators[:-1]
         ]
-        return _Job(request, snapshot_id, sequences)
+        alt_uniforms_RA = None
+        if request.prompt_alt_tokens_k:
+            shape = (len(request.prompt) - 1, request.prompt_alt_tokens_k)
+            alt_uniforms_RA = torch.rand(shape, generator=generators[-1], dtype=torch.float64)
+        return _Job(request, snapshot_id, sequences, alt_uniforms_RA)
 
     def _prefill(self, jobs: list[_Job]) -> None:
         """One packed forward over the admitted prompts; scores and first tokens for every sample."""
@@ -245,6 +265,7 @@ class Sampler:
         device = self.decoder.lm_head.weight.device
         prompts = [torch.from_numpy(np.asarray(job.request.prompt, dtype=np.int64)) for job in jobs]
         lengths = [len(prompt) for prompt in prompts]
+        self.prefill_tokens += sum(lengths)
         snapshot_ids = [job.snapshot_id for job in jobs]
         step = self.cache.prefill([job.sequences[0].row for job in jobs], lengths)
         routing = LoRARouting.from_sequences(lengths, snapshot_ids)
@@ -264,17 +285,24 @@ class Sampler:
 
     def _score(self, job: _Job, prompt_P: Tensor, hidden_PD: Tensor) -> PromptScores | None:
         request = job.request
-        if not (request.prompt_logprobs or request.topk_prompt_logprobs):
-            return None
         last_n = request.prompt_logprobs_last_n
-        first = 1 if last_n is None else max(1, len(prompt_P) - last_n)
+        targets = request.target_prompt_ids
+        asks = PromptAsks(
+            first=1 if last_n is None else max(1, len(prompt_P) - last_n),
+            want_logprobs=request.prompt_logprobs,
+            top_k=request.topk_prompt_logprobs,
+            target_ids_RT=None if targets is None else torch.as_tensor(targets, device=prompt_P.device),
+            alt_uniforms_RA=job.alt_uniforms_RA,
+            temperature=request.params.temperature,
+        )
+        if asks.is_empty:
+            return None
 
         def head_fn(hidden_CD: Tensor) -> Tensor:
             routing = LoRARouting.from_sequences([len(hidden_CD)], [job.snapshot_id])
             return self.decoder.lm_head(hidden_CD, routing)
 
-        wants, top_k = request.prompt_logprobs, request.topk_prompt_logprobs
-        return score_prompt(hidden_PD, prompt_P, head_fn, first, wants, top_k, self.chunk_size)
+        return score_prompt(hidden_PD, prompt_P, head_fn, asks, self.chunk_size)
 
     # --- decoding
     def _decode(self, active: list[tuple[_Job, _Sequence]]) -> None:
@@ -293,6 +321,8 @@ class Sampler:
             [torch.rand(1, generator=sequence.generator, dtype=torch.float64) for sequence in sequences]
         )
         tokens_B, logprobs_B = draw_tokens(logits_BV, [sequence.params for sequence in sequences], uniforms_B)
+        self._record_top_logprobs(logits_BV, sequences)
+        self.sampled_tokens += len(sequences)
         for sequence, token, logprob in zip(sequences, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
             sequence.tokens.append(token)
             sequence.logprobs.append(logprob)
@@ -303,6 +333,22 @@ class Sampler:
             if sequence.stop_reason is not None:
                 self.cache.free(sequence.row)
 
+    @staticmethod
+    def _record_top_logprobs(logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
+        """Append each asking row's top-k (topk_sample_logprobs) for the token just drawn; one top-k over
+        the asking rows alone, so a step whose rows do not ask costs nothing more."""
+        rows = [b for b, sequence in enumerate(sequences) if sequence.topk_width]
+        if not rows:
+            return
+        width = max(sequences[b].topk_width for b in rows)
+        logits_MV = logits_BV.index_select(0, torch.tensor(rows, device=logits_BV.device))
+        ids_MK, logprobs_MK = top_logprobs(logits_MV, [sequences[b].params for b in rows], width)
+        ids_MK, logprobs_MK = ids_MK.int().cpu().numpy(), logprobs_MK.cpu().numpy()
+        for m, b in enumerate(rows):
+            sequence = sequences[b]
+            sequence.topk_ids.append(ids_MK[m, : sequence.topk_width])
+            sequence.topk_logprobs.append(logprobs_MK[m, : sequence.topk_width])
+
     def _finish(self, job: _Job) -> SampleResult:
         if job.snapshot_id is not None:
             self.snapshots.release(job.snapshot_id)
@@ -312,6 +358,10 @@ class Sampler:
             prompt_logprobs=scores.logprobs_P if scores else None,
             topk_prompt_ids=scores.topk_ids_PK if scores else None,
             topk_prompt_logprobs=scores.topk_logprobs_PK if scores else None,
+            target_prompt_logprobs=scores.target_logprobs_RT if scores else None,
+            target_prompt_is_sparse=job.request.target_prompt_is_sparse,
+            prompt_alt_ids=scores.alt_ids_RA if scores else None,
+            prompt_alt_logprobs=scores.alt_logprobs_RA if scores else None,
         )
 
 

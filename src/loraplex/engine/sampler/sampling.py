@@ -11,9 +11,14 @@ exact probability with which the token was drawn. RL losses use it as the behavi
 ratio p/q, which is unbiased only with the true sampling probability; without truncation it is the
 tempered full-vocabulary logprob. Greedy rows (temperature 0) take the argmax (the lowest id among
 ties) and report its temperature-1 full-vocabulary logprob, the model's own probability of it.
+`top_logprobs` (topk_sample_logprobs) reports the likeliest ids of that same distribution, so a sampled
+token's logprob is its own entry there. `draw_alternatives` (prompt_alt_tokens_k) draws at the
+temperature alone: the SDK describes those draws as taken "at the request's temperature, from the
+model's next-token distribution", without top-k or top-p.
 Knows nothing of requests, caches, snapshots or tokenizers. No HTTP, no SQL.
 
-Shapes: B sequences of one step, V vocab.
+Shapes: B sequences of one step, M of them, V vocab, K top-k width, C prompt positions (R of them in
+one block), A draws each.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ import torch
 from torch import Tensor
 
 from loraplex.engine.types import SamplingParams
+
+# Prompt positions whose alternatives are drawn at once: their float64 cumulative sums take what a decode
+# step of the default batch (128 rows) takes.
+_ALTERNATIVE_ROWS = 128
 
 
 def draw_tokens(
@@ -39,9 +48,54 @@ def draw_tokens(
     kept ids and are renormalised; then one float64 cumulative sum and one searchsorted for all rows.
     """
     logits_BV = logits_BV.float()
+    is_greedy_B = torch.tensor([p.temperature == 0 for p in params], device=logits_BV.device)
+    lp_BV = _sampling_logprobs(logits_BV, params)
+    sampled_B = _walk_cdf(lp_BV, uniforms_B[:, None]).squeeze(1)
+    tokens_B = torch.where(is_greedy_B, logits_BV.argmax(-1), sampled_B)
+    return tokens_B, lp_BV.gather(-1, tokens_B[:, None]).squeeze(1)
+
+
+def top_logprobs(logits_MV: Tensor, params: Sequence[SamplingParams], k: int) -> tuple[Tensor, Tensor]:
+    """The k likeliest ids of each row's sampling distribution and their logprobs, likeliest first:
+    (M, k) int64 and fp32. Ids the distribution leaves out (top-k / top-p) are -1 with NaN logprobs.
+
+    Semantics: with lp_MV the log-distribution `draw_tokens` draws row m from (its logprob convention),
+        logprobs[m], ids[m] = lp_MV[m].topk(k)
+        ids[m, j], logprobs[m, j] = -1, NaN  where logprobs[m, j] = -inf
+    """
+    logprobs_MK, ids_MK = _sampling_logprobs(logits_MV.float(), params).topk(k, dim=-1)
+    is_left_out_MK = logprobs_MK == float("-inf")
+    return ids_MK.masked_fill(is_left_out_MK, -1), logprobs_MK.masked_fill(is_left_out_MK, float("nan"))
+
+
+def draw_alternatives(logits_CV: Tensor, temperature: float, uniforms_CA: Tensor) -> tuple[Tensor, Tensor]:
+    """A draws per row, with replacement, from softmax(logits / temperature) (no top-k or top-p), draw a at
+    uniform a: (C, A) int64 ids and their fp32 logprobs under that distribution. Temperature 0 repeats the
+    argmax with its temperature-1 logprob, as greedy sampling reports it. `logits_CV` may be logprobs.
+
+    Semantics: for c, a: ids[c, a], logprobs[c, a] = draw_tokens(logits_CV[c : c + 1],
+        [SamplingParams(temperature=temperature)], uniforms_CA[c, a : a + 1])
+    How: the rows go in blocks of _ALTERNATIVE_ROWS, which bounds the float64 cumulative sums.
+    """
+    ids, logprobs = [], []
+    for logits_RV, uniforms_RA in zip(
+        logits_CV.float().split(_ALTERNATIVE_ROWS), uniforms_CA.split(_ALTERNATIVE_ROWS), strict=True
+    ):
+        lp_RV = torch.log_softmax(logits_RV / (temperature or 1.0), dim=-1)
+        if temperature == 0:
+            ids_RA = logits_RV.argmax(-1, keepdim=True).expand(-1, uniforms_RA.shape[1])
+        else:
+            ids_RA = _walk_cdf(lp_RV, uniforms_RA)
+        ids.append(ids_RA)
+        logprobs.append(lp_RV.gather(-1, ids_RA))
+    return torch.cat(ids), torch.cat(logprobs)
+
+
+def _sampling_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """(B, V) fp32: the log-distribution each row's token is drawn from (the module docstring's), -inf at
+    the ids a truncating row leaves out; greedy rows get the temperature-1 distribution."""
     vocab = logits_BV.shape[-1]
     device = logits_BV.device
-    is_greedy_B = torch.tensor([p.temperature == 0 for p in params], device=device)
     temperature_B1 = torch.tensor([[p.temperature or 1.0] for p in params], device=device)
     lp_BV = torch.log_softmax(logits_BV / temperature_B1, dim=-1)
     truncated = [b for b, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
@@ -53,16 +107,20 @@ def draw_tokens(
         is_kept = _kept_ids(lp_kept, top_k, top_p)
         lp_kept = torch.log_softmax(lp_kept.masked_fill(~is_kept, float("-inf")), dim=-1)
         lp_BV = lp_BV.index_copy(0, index, lp_kept)
+    return lp_BV
 
+
+def _walk_cdf(lp_BV: Tensor, uniforms_BA: Tensor) -> Tensor:
+    """(B, A) ids: for each uniform u of a row, the first id, in vocabulary order, at which the row's
+    cumulative probability passes u × its total mass (float64)."""
+    vocab = lp_BV.shape[-1]
     probs_BV = lp_BV.double().exp()
     cdf_BV = probs_BV.cumsum(-1)
-    targets_B1 = (uniforms_B.to(device=device, dtype=torch.float64) * cdf_BV[:, -1])[:, None]
-    sampled_B = torch.searchsorted(cdf_BV, targets_B1, right=True).squeeze(1)
+    targets_BA = uniforms_BA.to(device=lp_BV.device, dtype=torch.float64) * cdf_BV[:, -1:]
+    sampled_BA = torch.searchsorted(cdf_BV, targets_BA, right=True)
     # Rounding can put the target at the total mass: fall back to the last id that has any.
-    last_kept_B = vocab - 1 - (probs_BV > 0).flip(-1).int().argmax(-1)
-    sampled_B = torch.minimum(sampled_B, last_kept_B)
-    tokens_B = torch.where(is_greedy_B, logits_BV.argmax(-1), sampled_B)
-    return tokens_B, lp_BV.gather(-1, tokens_B[:, None]).squeeze(1)
+    last_kept_B1 = vocab - 1 - (probs_BV > 0).flip(-1).int().argmax(-1, keepdim=True)
+    return torch.minimum(sampled_BA, last_kept_B1)
 
 
 def draw_token_reference(logits_V: Tensor, params: SamplingParams, uniform: float) -> tuple[int, float]:

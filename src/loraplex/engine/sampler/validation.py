@@ -26,10 +26,12 @@ _MIB = 1 << 20
 
 @dataclass(frozen=True)
 class SamplingLimits:
-    """What the operator lets sampling use (the server's --max-topk-prompt-logprobs, --max-sample-kv-mib
-    and --sample-kv-budget-mib); None = nothing beyond the model's own limits."""
+    """What the operator lets sampling use (the server's --max-topk-prompt-logprobs,
+    --max-topk-sample-logprobs, --max-sample-kv-mib and --sample-kv-budget-mib); None = nothing beyond the
+    model's own limits."""
 
-    max_topk_prompt_logprobs: int | None = None
+    max_topk_prompt_logprobs: int | None = None  # and prompt_alt_tokens_k: both per-position widths
+    max_topk_sample_logprobs: int | None = None
     max_request_kv_bytes: int | None = None  # (prompt + max_tokens) × num_samples × KV bytes per token
     kv_budget_bytes: int | None = None  # the KV cache of every running request, as allocated
 
@@ -68,7 +70,13 @@ def validate_sample_request(request: SampleRequest, limits: ModelLimits) -> None
     _check_params(request, len(prompt), limits)
     if not isinstance(request.prompt_logprobs, bool):
         raise UserError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
-    _check_topk(request.topk_prompt_logprobs, limits)
+    prompt_cap = limits.sampling.max_topk_prompt_logprobs, "--max-topk-prompt-logprobs"
+    _check_width("topk_prompt_logprobs", request.topk_prompt_logprobs, limits.vocab_size, *prompt_cap)
+    _check_width("prompt_alt_tokens_k", request.prompt_alt_tokens_k, limits.vocab_size, *prompt_cap)
+    sample_cap = limits.sampling.max_topk_sample_logprobs, "--max-topk-sample-logprobs"
+    _check_width("topk_sample_logprobs", request.topk_sample_logprobs, limits.vocab_size, *sample_cap)
+    if request.target_prompt_ids is not None:
+        _check_target_ids(request.target_prompt_ids, len(prompt), limits.vocab_size)
     if request.prompt_logprobs_last_n is not None:
         _check_int("prompt_logprobs_last_n", request.prompt_logprobs_last_n, 0, limits.max_context_length)
     _check_kv_cache(request, len(prompt), limits)
@@ -106,12 +114,32 @@ def _check_params(request: SampleRequest, prompt_length: int, limits: ModelLimit
             raise UserError(f"sampling_params.stop items must be strings or token ids, got {item!r}")
 
 
-def _check_topk(k: int, limits: ModelLimits) -> None:
-    cap = limits.sampling.max_topk_prompt_logprobs
-    if cap is None or cap >= limits.vocab_size:
-        _check_int("topk_prompt_logprobs", k, 0, limits.vocab_size)
+def _check_width(field: str, k: int, vocab_size: int, cap: int | None, flag: str) -> None:
+    """A per-position width (top-k, draws): within the vocabulary and the operator's cap."""
+    if cap is None or cap >= vocab_size:
+        _check_int(field, k, 0, vocab_size)
     else:
-        _check_int("topk_prompt_logprobs", k, 0, cap, " (this server's --max-topk-prompt-logprobs)")
+        _check_int(field, k, 0, cap, f" (this server's {flag})")
+
+
+def _check_target_ids(ids: np.ndarray, prompt_length: int, vocab_size: int) -> None:
+    """target_prompt_logprobs: one row per prompt position after the first, at least one id, every id in
+    the vocabulary or -1. Its width is the API's to bound, before the ids are decoded (api/wire.py)."""
+    field = "target_prompt_logprobs"
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise UserError(f"{field} must be a 2-D tensor of integer token ids, got shape {list(ids.shape)}")
+    if ids.shape[0] != prompt_length - 1:
+        raise UserError(
+            f"{field} has {ids.shape[0]} rows; it needs len(prompt) - 1 = {prompt_length - 1} (row i scores "
+            "prompt position i + 1)"
+        )
+    if not np.any(ids >= 0):
+        raise UserError(f"{field} names no token id (every cell is -1)")
+    low, high = int(ids.min()), int(ids.max())
+    if low < -1 or high >= vocab_size:
+        bad = low if low < -1 else high
+        raise UserError(f"{field} has token id {bad}, outside the vocabulary [0, {vocab_size}) or -1 (none)")
 
 
 def _check_kv_cache(request: SampleRequest, prompt_length: int, limits: ModelLimits) -> None:

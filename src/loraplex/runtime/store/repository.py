@@ -6,8 +6,10 @@ Returned rows are detached snapshots; changing them changes nothing. No tensors,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,8 +23,10 @@ from sqlalchemy import (
     func,
     insert,
     inspect,
+    or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.engine import Engine as SqlEngine
@@ -34,6 +38,7 @@ from loraplex.runtime.store.schema import (
     Base,
     CheckpointRow,
     FutureRow,
+    MetricRow,
     RunRow,
     SamplerRow,
     SessionRow,
@@ -49,6 +54,20 @@ class FutureOutcome:
     result: str | None
     error: str | None
     category: str | None
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """A future's kind, outcome and times, without its result (which may be large)."""
+
+    id: str
+    request_type: str
+    seq_id: int | None
+    status: str
+    category: str | None
+    error: str | None
+    created_at: datetime
+    completed_at: datetime | None
 
 
 def utcnow() -> datetime:
@@ -79,7 +98,10 @@ def _connect(url: str) -> SqlEngine:
 
 
 class Store:
-    """Repository over the loraplex tables."""
+    """Repository over the loraplex tables. Each public method reports its duration to `observe` (method
+    name, seconds) when set: the one place database latency is measured (runtime/telemetry.py)."""
+
+    observe: Callable[[str, float], None] | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -124,6 +146,11 @@ class Store:
         row = self._get(ApiKeyRow, digest)
         return row.tenant if row is not None and row.revoked_at is None else None
 
+    def get_key(self, digest: str) -> ApiKeyRow | None:
+        """An unrevoked key by digest, or None."""
+        row = self._get(ApiKeyRow, digest)
+        return row if row is not None and row.revoked_at is None else None
+
     def list_keys(self) -> list[ApiKeyRow]:
         """Every key, oldest first."""
         return self._all(select(ApiKeyRow).order_by(ApiKeyRow.created_at))
@@ -158,6 +185,29 @@ class Store:
             run_ids = list(s.execute(runs).scalars())
             return run_ids, list(s.execute(samplers.order_by(SamplerRow.created_at)).scalars())
 
+    def tenant_sessions(
+        self, tenant: str, after: tuple[datetime, str] | None, limit: int, session_id: str | None = None
+    ) -> list[SessionRow]:
+        """Up to `limit` of a tenant's sessions (only `session_id`, if given), newest first with ties by
+        id, starting after the keyset `after` (created_at, id) of the previous page's last."""
+        query = select(SessionRow).where(SessionRow.tenant == tenant)
+        if session_id is not None:
+            query = query.where(SessionRow.id == session_id)
+        if after is not None:
+            query = query.where(tuple_(SessionRow.created_at, SessionRow.id) < tuple_(*after))
+        return self._all(query.order_by(SessionRow.created_at.desc(), SessionRow.id.desc()).limit(limit))
+
+    def session_checkpoint_usage(self, session_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """Per session (of those named that have any): how many checkpoints its runs hold, and their bytes."""
+        query = (
+            select(RunRow.session_id, func.count(CheckpointRow.id), func.sum(CheckpointRow.size_bytes))
+            .join(RunRow, RunRow.id == CheckpointRow.run_id)
+            .where(RunRow.session_id.in_(list(session_ids)))
+            .group_by(RunRow.session_id)
+        )
+        with self._session() as s:
+            return {session: (int(count), int(size)) for session, count, size in s.execute(query).all()}
+
     def update_session(self, session_id: str, **values: Any) -> None:
         """Set columns of one session (heartbeat time, finish reason)."""
         with self._session.begin() as s:
@@ -181,10 +231,10 @@ class Store:
         """Every run (start-up recovery)."""
         return self._all(select(RunRow))
 
-    def list_runs(self, tenant: str, limit: int, offset: int) -> tuple[list[RunRow], int]:
-        """A page of a tenant's runs, newest first, and their total count."""
-        query = select(RunRow).where(RunRow.tenant == tenant).order_by(RunRow.created_at.desc())
-        return self._page(query, limit, offset)
+    def list_runs(self, tenant: str | None, limit: int, offset: int) -> tuple[list[RunRow], int]:
+        """A page of a tenant's runs (None: every tenant's), newest first, and their total count."""
+        query = select(RunRow) if tenant is None else select(RunRow).where(RunRow.tenant == tenant)
+        return self._page(query.order_by(RunRow.created_at.desc(), RunRow.id), limit, offset)
 
     # --- checkpoints
     def put_checkpoint(self, row: CheckpointRow) -> None:
@@ -220,6 +270,13 @@ class Store:
             query.order_by(CheckpointRow.created_at.desc(), CheckpointRow.id.desc()), limit, offset
         )
 
+    def tenant_checkpoint_usage(self, tenant: str) -> tuple[int, int]:
+        """How many checkpoints a tenant holds, and their bytes."""
+        query = select(func.count(CheckpointRow.id), func.sum(CheckpointRow.size_bytes))
+        with self._session() as s:
+            count, size = s.execute(query.where(CheckpointRow.tenant == tenant)).one()
+        return int(count), int(size or 0)
+
     def published_checkpoints(self, not_of_tenant: str) -> list[CheckpointRow]:
         """Other tenants' published checkpoints, newest first."""
         query = select(CheckpointRow).where(
@@ -235,6 +292,18 @@ class Store:
     def get_sampler(self, sampler_id: str) -> SamplerRow | None:
         """A sampling session by id."""
         return self._get(SamplerRow, sampler_id)
+
+    def list_samplers(
+        self, tenant: str | None, limit: int, path_prefix: str | None = None
+    ) -> list[SamplerRow]:
+        """A tenant's (None: every tenant's) newest sampling sessions; with `path_prefix`, only those over
+        a checkpoint path that starts with it."""
+        query = select(SamplerRow)
+        if tenant is not None:
+            query = query.where(SamplerRow.tenant == tenant)
+        if path_prefix is not None:
+            query = query.where(SamplerRow.model_path.startswith(path_prefix, autoescape=True))
+        return self._all(query.order_by(SamplerRow.created_at.desc(), SamplerRow.id).limit(limit))
 
     # --- futures
     # add_future and finish_futures run on every request: prebuilt Core statements on a connection, not
@@ -277,6 +346,32 @@ class Store:
         rows = self._all(select(FutureRow.id).where(FutureRow.run_id == run_id, FutureRow.seq_id == seq_id))
         return rows[0] if rows else None
 
+    def request_spans(self, tenant: str, run_id: str) -> list[RequestSpan]:
+        """The tenant's futures of one run (or sampler) that the database still holds, oldest first."""
+        columns = [getattr(FutureRow, field.name) for field in fields(RequestSpan)]
+        query = select(*columns).where(FutureRow.tenant == tenant, FutureRow.run_id == run_id)
+        with self._session() as s:
+            rows = s.execute(query.order_by(FutureRow.created_at, FutureRow.id)).all()
+        return [
+            RequestSpan(*values, as_utc(created), as_utc(completed) if completed else None)
+            for *values, created, completed in rows
+        ]
+
+    def recent_futures(self, tenants: Sequence[str], limit: int) -> list[FutureRow]:
+        """The newest futures of the given tenants, newest first: each tenant's newest through the
+        (tenant, created_at) index, merged."""
+        rows: list[FutureRow] = []
+        with self._session() as s:
+            for tenant in dict.fromkeys(tenants):
+                query = select(FutureRow).where(FutureRow.tenant == tenant)
+                rows += s.scalars(query.order_by(FutureRow.created_at.desc()).limit(limit))
+        return sorted(rows, key=lambda row: as_utc(row.created_at), reverse=True)[:limit]
+
+    def key_tenants(self) -> list[str]:
+        """Every tenant that has (or had) an API key."""
+        with self._session() as s:
+            return list(s.scalars(select(ApiKeyRow.tenant).distinct()))
+
     def fail_pending_futures(self, error: str) -> int:
         """Fail every unfinished future (start-up after a crash) with a server error; return how many."""
         values = {"status": "failed", "error": error, "category": "server", "completed_at": utcnow()}
@@ -295,6 +390,82 @@ class Store:
             if seq is not None:
                 last[run_id] = max(seq, last.get(run_id, seq))
         return last
+
+    # --- metric history (runtime/history.py)
+    def add_metrics(self, rows: Sequence[Mapping[str, Any]], last_steps: Mapping[str, int]) -> None:
+        """Append metric records (dicts of MetricRow's columns but id) and set each run's last step, in one
+        transaction."""
+        if not rows:
+            return
+        with self._engine.begin() as connection:
+            connection.execute(_INSERT_METRICS, list(rows))
+            steps = [{"stamped_id": run_id, "new_step": step} for run_id, step in last_steps.items()]
+            if steps:
+                connection.execute(_SET_LAST_STEP, steps)
+
+    def run_metrics(self, run_id: str, per_kind: int) -> tuple[list[MetricRow], dict[str, int]]:
+        """A run's metric records, oldest first, and how many each kind has. A kind with more than
+        `per_kind` is thinned in the database to every k-th record (k = ceil(count / per_kind)) and its
+        last one, so a long run costs a chart at most that many points."""
+        rn = func.row_number().over(partition_by=MetricRow.kind, order_by=MetricRow.id).label("rn")
+        n = func.count().over(partition_by=MetricRow.kind).label("n")
+        columns = (MetricRow.id, MetricRow.seq_id, MetricRow.step, MetricRow.kind, MetricRow.metrics)
+        inner = select(*columns, MetricRow.recorded_at, rn, n).where(MetricRow.run_id == run_id).subquery()
+        stride = case((inner.c.n > per_kind, (inner.c.n + per_kind - 1) // per_kind), else_=1)
+        query = (
+            select(inner)
+            .where(or_((inner.c.rn - 1) % stride == 0, inner.c.rn == inner.c.n))
+            .order_by(inner.c.id)
+        )
+        with self._session() as s:
+            found: Sequence[Any] = s.execute(query).all()
+        rows = [
+            MetricRow(
+                id=r.id,
+                run_id=run_id,
+                seq_id=r.seq_id,
+                step=r.step,
+                kind=r.kind,
+                metrics=r.metrics,
+                recorded_at=r.recorded_at,
+            )
+            for r in found
+        ]
+        return rows, {r.kind: r.n for r in found}
+
+    def prune_metrics(self, idle_before: datetime, keep_per_run: int) -> int:
+        """Delete the metric history of runs last used before `idle_before`, and every run's records beyond
+        its newest `keep_per_run`; return how many."""
+        deleted = 0
+        with self._session.begin() as s:
+            deleted += s.execute(
+                delete(MetricRow).where(MetricRow.run_id.in_(_idle_runs(idle_before)))
+            ).rowcount
+            for run_id, _count in s.execute(_over_cap(keep_per_run)).all():
+                newest_dropped = (
+                    select(MetricRow.id)
+                    .where(MetricRow.run_id == run_id)
+                    .order_by(MetricRow.id.desc())
+                    .limit(1)
+                    .offset(keep_per_run)
+                    .scalar_subquery()
+                )
+                query = delete(MetricRow).where(MetricRow.run_id == run_id, MetricRow.id <= newest_dropped)
+                deleted += s.execute(query).rowcount
+        return deleted
+
+    def count_prunable_metrics(self, idle_before: datetime, keep_per_run: int) -> int:
+        """How many records `prune_metrics` would delete."""
+        idle = select(func.count()).where(MetricRow.run_id.in_(_idle_runs(idle_before)))
+        cap = _over_cap(keep_per_run).where(MetricRow.run_id.not_in(_idle_runs(idle_before)))
+        with self._session() as s:
+            over = sum(count - keep_per_run for _, count in s.execute(cap).all())
+            return (s.scalar(idle) or 0) + over
+
+    def count_metrics(self) -> int:
+        """How many metric records the database holds."""
+        with self._session() as s:
+            return s.scalar(select(func.count()).select_from(MetricRow)) or 0
 
     # --- retention (runtime/retention.py decides; these only select and delete)
     def prune_futures(self, finished_before: datetime) -> int:
@@ -367,6 +538,46 @@ _FINISH_FUTURE = (
         completed_at=bindparam("done_at"),
     )
 )
+
+
+def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, reporting how long each call took to its store's `observe`, if set."""
+
+    @functools.wraps(method)
+    def timed(self: Store, *args: Any, **kwargs: Any) -> Any:
+        observe = self.observe
+        if observe is None:
+            return method(self, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            observe(name, time.perf_counter() - start)
+
+    return timed
+
+
+for _name, _method in list(vars(Store).items()):
+    if not _name.startswith("_") and _name != "close" and callable(_method):
+        setattr(Store, _name, _timed(_name, _method))
+
+
+_INSERT_METRICS = insert(MetricRow.__table__)
+_SET_LAST_STEP = (
+    update(_RUNS).where(_RUNS.c.id == bindparam("stamped_id")).values(last_step=bindparam("new_step"))
+)
+
+
+def _idle_runs(before: datetime) -> Any:
+    """The ids of runs last used before `before`."""
+    return select(RunRow.id).where(RunRow.last_request_at < before)
+
+
+def _over_cap(keep_per_run: int) -> Any:
+    """(run_id, count) of the runs with more than `keep_per_run` metric records."""
+    return (
+        select(MetricRow.run_id, func.count()).group_by(MetricRow.run_id).having(func.count() > keep_per_run)
+    )
 
 
 def _same_path(run_id: str, kind: str, name: str) -> tuple[Any, ...]:

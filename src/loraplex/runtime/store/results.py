@@ -1,7 +1,8 @@
 """Future results as database text: JSON objects as they are; pass and sample results tagged, their
 numpy arrays as base64.
 
-Knows nothing of HTTP encodings; the API turns the decoded value into JSON or protobuf.
+Knows nothing of HTTP encodings; the API turns the decoded value into JSON or protobuf. A field missing
+from older text (a result stored before the field existed) decodes as absent.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ import numpy as np
 from loraplex.engine.types import PassResult, SampledSequence, SampleResult
 
 _PASS_TAG, _SAMPLE_TAG = "pass_result", "sample_result"
-_PROMPT_FIELDS = ("prompt_logprobs", "topk_prompt_ids", "topk_prompt_logprobs")
+_PROMPT_FIELDS = (
+    "prompt_logprobs",
+    "topk_prompt_ids",
+    "topk_prompt_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_ids",
+    "prompt_alt_logprobs",
+)
+_SEQUENCE_FIELDS = ("topk_ids", "topk_logprobs")
 
 Result = dict[str, Any] | PassResult | SampleResult
 
@@ -27,11 +36,17 @@ def encode_result(result: Result) -> str:
         return json.dumps({_PASS_TAG: {"outputs": outputs, "metrics": result.metrics}})
     if isinstance(result, SampleResult):
         sequences = [
-            {"tokens": _encode_array(s.tokens), "logprobs": _encode_array(s.logprobs), "stop": s.stop_reason}
+            {
+                "tokens": _encode_array(s.tokens),
+                "logprobs": _encode_array(s.logprobs),
+                "stop": s.stop_reason,
+                **{name: _maybe_encode(getattr(s, name)) for name in _SEQUENCE_FIELDS},
+            }
             for s in result.sequences
         ]
         prompt = {name: _maybe_encode(getattr(result, name)) for name in _PROMPT_FIELDS}
-        return json.dumps({_SAMPLE_TAG: {"sequences": sequences, **prompt}})
+        body = {"sequences": sequences, **prompt, "target_prompt_is_sparse": result.target_prompt_is_sparse}
+        return json.dumps({_SAMPLE_TAG: body})
     return json.dumps(result)
 
 
@@ -45,11 +60,17 @@ def decode_result(text: str) -> Result:
     if isinstance(value, dict) and _SAMPLE_TAG in value:
         body = value[_SAMPLE_TAG]
         sequences = [
-            SampledSequence(_decode_array(s["tokens"]), _decode_array(s["logprobs"]), s["stop"])
+            SampledSequence(
+                _decode_array(s["tokens"]),
+                _decode_array(s["logprobs"]),
+                s["stop"],
+                **{name: _maybe_decode(s.get(name)) for name in _SEQUENCE_FIELDS},
+            )
             for s in body["sequences"]
         ]
-        prompt = {name: _maybe_decode(body[name]) for name in _PROMPT_FIELDS}
-        return SampleResult(sequences, **prompt)
+        prompt = {name: _maybe_decode(body.get(name)) for name in _PROMPT_FIELDS}
+        is_sparse = body.get("target_prompt_is_sparse", False)
+        return SampleResult(sequences, **prompt, target_prompt_is_sparse=is_sparse)
     return value
 
 

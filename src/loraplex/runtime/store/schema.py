@@ -1,4 +1,5 @@
-"""Database tables (SQLAlchemy 2 ORM): tenants' keys, sessions, training runs, checkpoints, samplers, futures.
+"""Database tables (SQLAlchemy 2 ORM): tenants' keys, sessions, training runs, checkpoints, samplers, futures,
+and each run's metric history.
 
 Rows hold identities, ownership and small JSON results; never request bodies, tensors or weights
 (those live in memory or under the data directory). Times are UTC.
@@ -30,6 +31,8 @@ class ApiKeyRow(Base):
     tenant: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # An admin key sees every tenant's objects in the web console (`keys create --admin`); NULL: no.
+    admin: Mapped[bool | None] = mapped_column(Boolean, nullable=True, default=False)
 
 
 class SessionRow(Base):
@@ -43,6 +46,9 @@ class SessionRow(Base):
     last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_reason: Mapped[str | None] = mapped_column(String(32), nullable=True)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
+    # ServiceClient(display_name=...): shown and searched (search_sessions), never unique. Text: its
+    # bound is the operator's --max-name-bytes, which a fixed column width could fall short of.
+    display_name: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class RunRow(Base):
@@ -64,6 +70,9 @@ class RunRow(Base):
     # The highest seq_id the run ever accepted: where its log resumes after a restart, even once the
     # futures that carried those seq_ids are pruned.
     last_seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # Optimizer steps the run has taken on this server, as of its last recorded metrics (the console's
+    # "last step"; a restarted run counts on from it). NULL: none recorded.
+    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class CheckpointRow(Base):
@@ -118,6 +127,9 @@ class FutureRow(Base):
         UniqueConstraint("run_id", "seq_id", name="uq_future_run_seq"),
         # Retention prunes finished futures by completion time.
         Index("ix_futures_completed", "completed_at"),
+        # The console lists a tenant's newest requests (an admin's: each tenant's, merged). One index, as
+        # every index costs each request's insert.
+        Index("ix_futures_tenant_created", "tenant", "created_at"),
     )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -135,9 +147,38 @@ class FutureRow(Base):
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
+class MetricRow(Base):
+    """One training request's metrics in its run's history: a forward_backward's or forward's (loss:sum, ...)
+    or an optim_step's (grad_norm, learning_rate). Written in batches by runtime/history.py; bounded by
+    retention (runtime/retention.py): per run, and by how long ago the run was used."""
+
+    __tablename__ = "run_metrics"
+    # A run's history in order (the console's charts, the per-run bound) and by run (deleting a run's
+    # history) are both this index.
+    __table_args__ = (Index("ix_run_metrics_run", "run_id", "id"),)
+
+    # 64-bit on PostgreSQL: ids are never reused, and a busy server writes billions over its life. SQLite's
+    # autoincrement needs INTEGER (its rowid, 64-bit anyway).
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    run_id: Mapped[str] = mapped_column(String(200))
+    seq_id: Mapped[int] = mapped_column(BigInteger)
+    # The optimizer step the request belongs to: a forward_backward's is the step it feeds (the run's steps
+    # so far + 1), an optim_step's the step it took, a forward's the steps taken before it.
+    step: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step
+    # Text, not JSON, as FutureRow.result: written once, read back whole.
+    metrics: Mapped[str] = mapped_column(Text)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 # (table, column) added since the first release, in the order they were added.
 COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
     ("training_runs", "last_seq_id"),
     ("samplers", "last_used_at"),
     ("checkpoints", "public"),
+    ("sessions", "display_name"),
+    ("api_keys", "admin"),
+    ("training_runs", "last_step"),
 )

@@ -1,0 +1,169 @@
+"""Routes of the web console under /console: sign-in and sign-out, the pages, and their two static files.
+
+Signing in posts an API key once, in a form body (never in a URL), and trades it for a random token
+(runtime/keys.py ConsoleLogins) that the browser keeps in an HttpOnly, SameSite=Strict cookie scoped to
+/console. A page without a valid cookie redirects to the sign-in form; its live refresh (`?fragment=1`)
+answers 401. Each page's data comes from the runtime's Console (runtime/console.py) and is read and
+rendered on a worker thread, so the event loop never waits on the database. Pages carry a strict
+Content-Security-Policy: script and styles from /console/static only, nothing inline. No tensors, no SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.api.console.pages import HERE, render_fragment, render_login, render_page
+from loraplex.errors import AuthenticationError, NotFoundError
+from loraplex.runtime.console import PAGE_ROWS
+from loraplex.runtime.keys import Viewer
+from loraplex.runtime.service import TrainingService
+
+router = APIRouter(prefix="/console")
+
+COOKIE = "loraplex_console"
+_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",  # pages hold signed download URLs
+    "Cache-Control": "no-store",
+}
+_STATIC_TYPES = {"console.js": "text/javascript; charset=utf-8", "console.css": "text/css; charset=utf-8"}
+_STATIC = {name: (HERE / "static" / name).read_bytes() for name in _STATIC_TYPES}
+_MAX_KEY_FORM_BYTES = 4096
+
+Load = Callable[[TrainingService, Viewer], dict[str, Any]]
+
+
+@router.get("", include_in_schema=False)
+@router.get("/", include_in_schema=False)
+async def home() -> RedirectResponse:
+    return RedirectResponse("/console/runs", status_code=303)
+
+
+@router.get("/static/{name}", include_in_schema=False)
+async def static(name: str) -> Response:
+    if name not in _STATIC:
+        return Response(status_code=404)
+    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+    return Response(_STATIC[name], media_type=_STATIC_TYPES[name], headers=headers)
+
+
+@router.get("/login", include_in_schema=False)
+async def login_form() -> HTMLResponse:
+    return HTMLResponse(render_login(), headers=_HEADERS)
+
+
+@router.post("/login", include_in_schema=False)
+async def login(request: Request) -> Response:
+    body = await request.body()
+    fields = parse_qs(body[:_MAX_KEY_FORM_BYTES].decode(errors="replace")) if body else {}
+    key = (fields.get("key") or [""])[0].strip()
+    service: TrainingService = request.app.state.service
+    try:
+        token, _viewer = await run_in_threadpool(service.logins.sign_in, key)
+    except AuthenticationError as error:
+        return HTMLResponse(render_login(str(error)), status_code=401, headers=_HEADERS)
+    response = RedirectResponse("/console/runs", status_code=303, headers=_HEADERS)
+    response.set_cookie(
+        COOKIE,
+        token,
+        path="/console",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.post("/logout", include_in_schema=False)
+async def logout(request: Request) -> Response:
+    service: TrainingService = request.app.state.service
+    service.logins.sign_out(request.cookies.get(COOKIE))
+    response = RedirectResponse("/console/login", status_code=303, headers=_HEADERS)
+    response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
+    return response
+
+
+@router.get("/runs", include_in_schema=False)
+async def runs(request: Request, offset: int = 0) -> Response:
+    offset = max(0, min(offset, 2**62))
+
+    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
+        found, total = service.console.runs(viewer, PAGE_ROWS, offset)
+        return {"runs": found, "total": total, "offset": offset, "limit": PAGE_ROWS}
+
+    return await _page(request, "runs.html", "Runs", "runs", 3000, load)
+
+
+@router.get("/runs/{run_id}", include_in_schema=False)
+async def run(request: Request, run_id: str) -> Response:
+    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
+        return {"detail": service.console.run(viewer, run_id)}
+
+    return await _page(request, "run.html", run_id, "runs", 3000, load)
+
+
+@router.get("/samplers", include_in_schema=False)
+async def samplers(request: Request) -> Response:
+    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
+        return {"samplers": service.console.samplers(viewer)}
+
+    return await _page(request, "samplers.html", "Samplers", "samplers", 5000, load)
+
+
+@router.get("/requests", include_in_schema=False)
+async def requests(request: Request) -> Response:
+    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
+        return {"requests": service.console.requests(viewer)}
+
+    return await _page(request, "requests.html", "Requests", "requests", 3000, load)
+
+
+@router.get("/server", include_in_schema=False)
+async def server(request: Request) -> Response:
+    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
+        return {"status": service.console.server(viewer), "info": service.info}
+
+    return await _page(request, "server.html", "Server", "server", 2000, load)
+
+
+async def _page(
+    request: Request, template: str, title: str, section: str, refresh_ms: int, load: Load
+) -> Response:
+    """Check the sign-in, load and render a page (or, with ?fragment=1, its body) on a worker thread."""
+    service: TrainingService = request.app.state.service
+    token = request.cookies.get(COOKIE)
+    fragment = request.query_params.get("fragment") == "1"
+
+    def answer() -> tuple[int, str] | None:
+        try:
+            viewer = service.logins.viewer(token)
+        except AuthenticationError:
+            return None
+        try:
+            context = load(service, viewer)
+        except NotFoundError as error:
+            template_, title_, context, status = "not_found.html", "Not found", {"message": str(error)}, 404
+        else:
+            template_, title_, status = template, title, 200
+        if fragment:
+            return status, render_fragment(template_, viewer=viewer, **context)
+        return status, render_page(template_, title_, section, viewer, refresh_ms, **context)
+
+    result = await run_in_threadpool(answer)
+    if result is None:
+        if fragment:
+            return Response("sign in again", status_code=401, headers=_HEADERS)
+        return RedirectResponse("/console/login", status_code=303, headers=_HEADERS)
+    status, html = result
+    return HTMLResponse(html, status_code=status, headers=_HEADERS)

@@ -1,0 +1,18 @@
+"""Fixtures every test package shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def postgres_url_prefix() -> Iterator[str]:
+    """One throwaway PostgreSQL cluster for the session (Debian's server, installed by .ci/run if absent)."""
+    from tests.e2e.postgres import postgres_available, postgres_cluster
+
+    if not postgres_available():
+        pytest.fail("PostgreSQL is not installed: .ci/run installs Debian's postgresql package")
+    with postgres_cluster() as prefix:
+        yield prefix

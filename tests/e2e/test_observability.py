@@ -1,0 +1,120 @@
+"""/metrics and the request log against a real server driven by the official SDK: counters move by exactly
+what the SDK sent, and every request's JSON log line carries its fields."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tinker import types
+
+from tests.e2e.conftest import Server
+from tests.e2e.sdk import LR, PHRASE, client, new_run, sft_datum
+
+KEY = {"X-API-Key": "tml-local"}
+
+
+@pytest.fixture(scope="module")
+def json_server(start_module_server: Callable[..., Server]) -> Server:
+    return start_module_server("--log-format", "json")
+
+
+def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, keyed by name and sorted labels (the text must parse)."""
+    response = httpx.get(f"{server.base_url}/metrics", headers=KEY, timeout=10)
+    assert response.status_code == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def log_lines(server: Server) -> list[dict]:
+    """The server's JSON log lines (its stdout and stderr go to one file)."""
+    text = (server.data_dir.parent / f"server-{server.port}.log").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_counters_move_by_what_the_sdk_sent(json_server: Server) -> None:
+    run = new_run(client(json_server), json_server)
+    before = scrape(json_server)
+    datum = sft_datum()
+    passes = [run.forward_backward([datum], "cross_entropy") for _ in range(3)]
+    step = run.optim_step(types.AdamParams(learning_rate=LR))
+    for future in passes:
+        future.result()
+    step.result()
+    after = scrape(json_server)
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    fb_route = {"method": "POST", "route": "/api/v1/forward_backward", "status": "200"}
+    assert moved("loraplex_http_requests_total", **fb_route) == 3
+    optim_route = {"method": "POST", "route": "/api/v1/optim_step", "status": "200"}
+    assert moved("loraplex_http_requests_total", **optim_route) == 1
+    fb_latency = {"method": "POST", "route": "/api/v1/forward_backward"}
+    assert moved("loraplex_http_request_duration_seconds_count", **fb_latency) == 3
+    assert moved("loraplex_pass_tokens_total") == 3 * (len(PHRASE) - 1)  # each datum's model_input
+    assert moved("loraplex_pass_requests_total") == 3
+    assert moved("loraplex_optim_steps_total") == 1
+    assert moved("loraplex_optim_step_runs_total") == 1
+    assert moved("loraplex_futures_finished_total", state="complete") == 4
+    assert moved("loraplex_futures_finished_total", state="failed") == 0
+    assert value(after, "loraplex_futures_pending") == 0
+    assert value(after, "loraplex_slots_used") == 1
+    assert value(after, "loraplex_queue_depth", kind="forward_backward") == 0
+    assert moved("loraplex_pass_duration_seconds_count") == moved("loraplex_passes_total") >= 1
+    assert moved("loraplex_db_call_duration_seconds_count", op="add_future") == 4
+    # Labels are templates and categories, never ids: no run, future or session id appears in any label.
+    assert not [labels for (_, labels) in after if any(run.model_id in v for _, v in labels)]
+
+
+def test_a_failed_request_counts_as_a_user_error_of_its_future(json_server: Server) -> None:
+    run = new_run(client(json_server), json_server)
+    before = scrape(json_server)
+    bad = types.Datum(model_input=types.ModelInput.from_ints([10**9]), loss_fn_inputs={"target_tokens": [1]})
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        run.forward_backward([bad], "cross_entropy").result()
+    after = scrape(json_server)
+    errors = {"category": "user", "source": "future"}
+    assert (
+        value(after, "loraplex_errors_total", **errors) - value(before, "loraplex_errors_total", **errors)
+        == 1
+    )
+
+
+def test_each_request_logs_one_json_line_with_its_fields(json_server: Server) -> None:
+    run = new_run(client(json_server), json_server)
+    run.forward_backward([sft_datum()], "cross_entropy").result()
+    lines = [
+        line
+        for line in log_lines(json_server)
+        if line.get("route") == "/api/v1/forward_backward" and line.get("run_id") == run.model_id
+    ]
+    assert len(lines) == 1
+    (line,) = lines
+    assert line["logger"] == "loraplex.requests"
+    assert (line["method"], line["status"], line["tenant"], line["seq_id"]) == ("POST", 200, "local", 1)
+    assert line["future_id"].startswith("req-")
+    assert len(line["request_id"]) == 16
+    assert line["latency_ms"] > 0
+    assert line["path"] == "/api/v1/forward_backward"
+
+
+def test_the_request_id_is_returned_and_logged(json_server: Server) -> None:
+    response = httpx.get(f"{json_server.base_url}/api/v1/healthz", headers={"X-Request-ID": "probe-7f3a"})
+    assert response.headers["x-request-id"] == "probe-7f3a"
+    fresh = httpx.get(f"{json_server.base_url}/api/v1/healthz").headers["x-request-id"]
+    assert fresh != "probe-7f3a" and len(fresh) == 16
+    logged = {line.get("request_id"): line for line in log_lines(json_server)}
+    assert logged["probe-7f3a"]["route"] == "/api/v1/healthz"
+    assert logged[fresh]["status"] == 200

@@ -1,0 +1,188 @@
+"""Metric history: every training request's metrics are kept per run and step, written in batches, and
+retention keeps the table bounded (per run, and by how long ago a run was used). The store's queries run
+on SQLite and on PostgreSQL (Debian's server, which .ci/run installs)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from loraplex.cli import main
+from loraplex.engine.types import LoraConfig
+from loraplex.runtime.checkpoints import DiskLayout
+from loraplex.runtime.history import MetricHistory
+from loraplex.runtime.retention import Retention, RetentionPolicy
+from loraplex.runtime.store import Store, utcnow
+from loraplex.runtime.store.schema import RunRow
+from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """An empty store on each supported database."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    else:
+        from tests.e2e.postgres import create_database
+
+        url = create_database(
+            request.getfixturevalue("postgres_url_prefix"), f"history_{uuid.uuid4().hex[:12]}"
+        )
+    opened = Store(url)
+    yield opened
+    opened.close()
+
+
+def _series(history: MetricHistory, run_id: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    return {(s.kind, s.name): list(s.points) for s in history.series(run_id)}
+
+
+def test_each_step_records_its_loss_grad_norm_and_learning_rate_under_its_number(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    losses = train_steps(service, run, 3, lr=0.05)
+    service.history.flush()
+    series = _series(service.history, run)
+    assert series["forward_backward", "loss:sum"] == [(1, losses[0]), (2, losses[1]), (3, losses[2])]
+    assert [step for step, _ in series["optim_step", "grad_norm"]] == [1, 2, 3]
+    assert series["optim_step", "learning_rate"] == [(1, 0.05), (2, 0.05), (3, 0.05)]
+    assert service.store.get_run(run).last_step == 3
+
+
+def test_a_forward_is_recorded_under_the_steps_already_taken(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    train_steps(service, run, 2)
+    evaluation = service.submit("local", run, 5, sft_pass(forward_only=True))
+    loss = result_of(service, evaluation).result.metrics["loss:sum"]  # type: ignore[union-attr]
+    service.history.flush()
+    assert _series(service.history, run)["forward", "loss:sum"] == [(2, loss)]
+
+
+def test_a_restarted_run_numbers_its_steps_on_from_where_it_stopped(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    train_steps(service, run, 2)
+    service.stop()  # parks the run and writes what history it still held
+    after = service_factory(subdir="data")
+    train_steps(after, run, 1, first_seq=5)
+    after.history.flush()
+    steps = [step for step, _ in _series(after.history, run)["forward_backward", "loss:sum"]]
+    assert steps == [1, 2, 3]
+
+
+def test_records_wait_for_the_next_flush_and_a_refusing_database_keeps_them(store: Store) -> None:
+    now = [0.0]
+    history = MetricHistory(store, flush_s=0.5, clock=lambda: now[0])
+    history.record("r:train:0", 1, 1, "forward_backward", {"loss:sum": 2.0, "nan": float("nan")})
+    history.flush_if_due()  # too early: nothing written
+    assert store.count_metrics() == 0
+    real_add = store.add_metrics
+    store.add_metrics = lambda *_: (_ for _ in ()).throw(OSError("disk full"))  # type: ignore[method-assign]
+    now[0] = 1.0
+    history.flush_if_due()
+    assert store.count_metrics() == 0
+    store.add_metrics = real_add  # type: ignore[method-assign]
+    history.flush()
+    assert [(s.kind, s.name, s.points) for s in history.series("r:train:0")] == [
+        ("forward_backward", "loss:sum", ((1, 2.0),))  # the non-finite value is left out
+    ]
+
+
+def test_a_long_history_is_thinned_for_charts_keeping_its_last_point(store: Store) -> None:
+    _add_history(store, "r:train:0", 10)
+    (series,) = MetricHistory(store).series("r:train:0", max_points=4)
+    # ceil(10 / 4) = 3: every third record from the first, and the last.
+    assert [step for step, _ in series.points] == [1, 4, 7, 10]
+    assert series.total == 10
+
+
+def test_retention_keeps_each_runs_newest_records_and_drops_the_history_of_runs_long_unused(
+    store: Store, tmp_path: Path
+) -> None:
+    now = utcnow()
+    _add_run(store, "busy:train:0", last_request_at=now)
+    _add_run(store, "quiet:train:0", last_request_at=now)
+    _add_run(store, "old:train:0", last_request_at=now - timedelta(days=40))
+    _add_history(store, "busy:train:0", 10)
+    _add_history(store, "quiet:train:0", 3)
+    _add_history(store, "old:train:0", 2)
+    policy = RetentionPolicy(86400.0, 3600.0, 300.0, metric_retention_s=30 * 86400.0, max_metrics_per_run=4)
+    retention = Retention(store, DiskLayout(tmp_path), policy)
+
+    due = retention.due(now)
+    assert due.metrics == 6 + 2  # busy's 6 oldest, all of old's
+    assert retention.sweep(now).metrics == due.metrics
+    assert store.count_metrics() == 4 + 3
+    (busy,) = MetricHistory(store).series("busy:train:0")
+    assert [step for step, _ in busy.points] == [7, 8, 9, 10]
+    assert MetricHistory(store).series("old:train:0") == []
+    assert retention.due(now).metrics == 0
+
+
+def test_doctor_reports_and_gc_removes_metric_history_past_its_bounds(tmp_path: Path, capsys) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    store = Store(f"sqlite:///{(data / 'loraplex.db').resolve()}")
+    _add_run(store, "r:train:0", last_request_at=utcnow())
+    _add_history(store, "r:train:0", 5)
+    store.close()
+    args = ["--data-dir", str(data), "--max-metrics-per-run", "2"]
+    assert main(["doctor", *args]) == 0
+    assert "5 metric history records" in capsys.readouterr().out
+    assert main(["gc", *args]) == 0
+    assert "3 metric records" in capsys.readouterr().out
+    store = Store(f"sqlite:///{(data / 'loraplex.db').resolve()}")
+    assert store.count_metrics() == 2
+
+
+def test_the_engine_loop_writes_history_within_moments_without_being_asked(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    train_steps(service, run, 1)
+    _wait_for(lambda: service.store.count_metrics() == 2)  # flushed every 0.5 s, idle or not
+
+
+def _wait_for(predicate, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def _add_run(store: Store, run_id: str, last_request_at) -> None:
+    store.add_run(
+        RunRow(
+            id=run_id,
+            session_id=run_id.split(":")[0],
+            tenant="t",
+            base_model="m",
+            lora_config=vars(LoraConfig(rank=4)),
+            user_metadata={},
+            status="parked",
+            created_at=last_request_at,
+            last_request_at=last_request_at,
+        )
+    )
+
+
+def _add_history(store: Store, run_id: str, steps: int) -> None:
+    """`steps` optim_step records, steps 1..steps, grad_norm = step."""
+    rows = [
+        {
+            "run_id": run_id,
+            "seq_id": step,
+            "step": step,
+            "kind": "optim_step",
+            "metrics": json.dumps({"grad_norm": float(step)}),
+            "recorded_at": utcnow(),
+        }
+        for step in range(1, steps + 1)
+    ]
+    store.add_metrics(rows, {run_id: steps})

@@ -1,0 +1,165 @@
+"""Telemetry: counters, windows and snapshots, on a fake clock; and the service feeding it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+
+from loraplex.engine.interface import EngineUsage
+from loraplex.engine.types import AdamParams
+from loraplex.runtime.commands import OptimStep
+from loraplex.runtime.service import TrainingService
+from loraplex.runtime.telemetry import QUEUE_KINDS, Occupancy, Telemetry
+from tests.fakes import FakeEngine
+from tests.runtime.conftest import create_run, held, result_of, sft_pass
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_train_rate_is_tokens_over_the_recent_window(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock, window_s=10)
+    clock.now += 20.0
+    telemetry.record_pass(tokens=600, requests=2, runs=2, tenants=1, duration_s=0.1)
+    clock.now += 0.5  # 600 tokens in the window's 10 whole seconds (9 before this one, half of this one)
+    assert telemetry.snapshot().train_tokens_per_s == pytest.approx(600 / 9.5)
+    clock.now += 30.0  # the pass left the window
+    assert telemetry.snapshot().train_tokens_per_s == 0.0
+
+
+def test_a_young_server_divides_by_its_uptime(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock, window_s=10)
+    clock.now += 2.0
+    telemetry.record_pass(tokens=100, requests=1, runs=1, tenants=1, duration_s=0.05)
+    assert telemetry.snapshot().train_tokens_per_s == pytest.approx(50.0)
+
+
+def test_decode_tokens_come_from_the_engine_counters(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock, window_s=10)
+    clock.now += 10.5
+    telemetry.record_sampler_step(0.004, EngineUsage(prefill_tokens=30, sampled_tokens=4, sequences=4))
+    telemetry.record_sampler_step(0.002, EngineUsage(prefill_tokens=30, sampled_tokens=8, sequences=4))
+    telemetry.record_sampler_step(0.002, EngineUsage(prefill_tokens=30, sampled_tokens=11, sequences=3))
+    snapshot = telemetry.snapshot()
+    assert snapshot.totals.decode_tokens == 11
+    assert snapshot.totals.prefill_tokens == 30
+    assert snapshot.totals.sampler_steps == 3
+    assert snapshot.decode_tokens_per_s == pytest.approx(11 / 9.5)  # 9 whole seconds and half of this one
+    assert snapshot.sampler_step_duration.count == 3
+    assert snapshot.sampler_step_duration.sum == pytest.approx(0.008)
+    assert snapshot.kv_cache.sequences == 3
+
+
+def test_recent_passes_are_bounded_and_the_last_is_the_newest(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock)
+    for i in range(40):
+        clock.now += 1.0
+        telemetry.record_pass(tokens=i, requests=1, runs=1, tenants=1 + i % 3, duration_s=0.01)
+    snapshot = telemetry.snapshot()
+    assert len(snapshot.recent_passes) == 32
+    assert [p.tokens for p in snapshot.recent_passes] == list(range(8, 40))
+    assert snapshot.last_pass is not None
+    assert (snapshot.last_pass.tokens, snapshot.last_pass.tenants, snapshot.last_pass.at_s) == (39, 1, 40.0)
+    assert snapshot.totals.passes == 40
+    assert snapshot.totals.pass_tokens == sum(range(40))
+
+
+def test_histograms_put_each_observation_in_the_first_bucket_that_holds_it(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock)
+    for duration_s in (0.004, 0.005, 0.3, 100.0):  # bounds ... 0.005, 0.01 ... 0.25, 0.5 ... 30
+        telemetry.record_pass(tokens=1, requests=1, runs=1, tenants=1, duration_s=duration_s)
+    histogram = telemetry.snapshot().pass_duration
+    by_bound = dict(zip((*histogram.bounds, float("inf")), histogram.counts, strict=True))
+    assert by_bound[0.005] == 2  # le is inclusive
+    assert by_bound[0.5] == 1
+    assert by_bound[float("inf")] == 1
+    assert histogram.count == 4
+
+
+def test_outcomes_and_database_calls_are_counted(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock)
+    telemetry.record_outcomes(3, {"user": 1})
+    telemetry.record_outcomes(2, {"user": 1, "server": 1})
+    telemetry.record_db_call("add_future", 0.0002)
+    telemetry.record_db_call("add_future", 0.0004)
+    snapshot = telemetry.snapshot()
+    assert snapshot.totals.futures_complete == 5
+    assert snapshot.totals.futures_failed == {"user": 2, "server": 1}
+    assert snapshot.db_call_duration["add_future"].count == 2
+    assert snapshot.db_call_duration["add_future"].sum == pytest.approx(0.0006)
+
+
+def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeClock) -> None:
+    telemetry = Telemetry(device="cuda:0", clock=clock)
+    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7)
+    telemetry.record_usage(EngineUsage(device_name="NVIDIA H200", device_allocated_bytes=1 << 30))
+    clock.now += 42.0
+    snapshot = telemetry.snapshot()
+    assert (snapshot.slots_used, snapshot.slots_total, snapshot.runs_parked, snapshot.runs_waiting) == (
+        3,
+        8,
+        2,
+        1,
+    )
+    assert snapshot.queue_depth == dict.fromkeys(QUEUE_KINDS, 0) | {"forward_backward": 5}
+    assert snapshot.futures_pending == 7
+    assert snapshot.device == "cuda:0 (NVIDIA H200)"
+    assert snapshot.memory.device_allocated_bytes == 1 << 30
+    assert snapshot.uptime_s == 42.0
+
+
+def test_the_service_reports_passes_steps_queues_and_slots(
+    service_factory: Callable[..., TrainingService],
+) -> None:
+    service = service_factory(FakeEngine(max_slots=2))
+    run_id = create_run(service)
+    with held(service):  # queued, not yet planned: the snapshot sees them
+        records = [
+            service.submit("local", run_id, 1, sft_pass()),
+            service.submit("local", run_id, 2, OptimStep(AdamParams(learning_rate=0.01))),
+        ]
+        # seq 4 waits behind the missing seq 3
+        behind = service.submit("local", run_id, 4, sft_pass(forward_only=True))
+        queued = service.telemetry.snapshot()
+    assert (queued.queue_depth["forward_backward"], queued.queue_depth["optim_step"]) == (1, 1)
+    assert queued.queue_depth["forward"] == 1
+    assert (queued.slots_used, queued.slots_total) == (1, 2)
+    for record in records:
+        assert result_of(service, record).status == "complete"
+    service.submit("local", run_id, 3, sft_pass(forward_only=True))
+    assert result_of(service, behind).status == "complete"
+    snapshot = service.telemetry.snapshot()
+    tokens = len(sft_pass().datums[0].tokens)
+    assert snapshot.totals.pass_tokens == 3 * tokens
+    assert snapshot.totals.pass_requests == 3
+    assert (snapshot.totals.optim_steps, snapshot.totals.optim_step_runs) == (1, 1)
+    assert snapshot.totals.futures_complete == 5  # create, three passes, one optim step
+    assert snapshot.futures_pending == 0
+    assert snapshot.queue_depth == dict.fromkeys(QUEUE_KINDS, 0)
+    assert snapshot.db_call_duration["add_future"].count >= 5
+
+
+def test_the_engine_loop_summarises_each_busy_cycle_at_debug_level(
+    service_factory: Callable[..., TrainingService], caplog: pytest.LogCaptureFixture
+) -> None:
+    service = service_factory()
+    run_id = create_run(service)
+    with caplog.at_level(logging.DEBUG, logger="loraplex.runtime.engine_loop"):
+        assert result_of(service, service.submit("local", run_id, 1, sft_pass())).status == "complete"
+        deadline = time.monotonic() + 10  # the cycle logs after it has finished its futures
+        while not [r for r in caplog.records if "work PassWork of 1," in r.getMessage()]:
+            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.01)
