@@ -62,7 +62,7 @@ class SdkSteps:
         import tinker  # the SDK is a client dependency; only this configuration needs it
         from tinker import types
 
-        service = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
+        service = self.service = tinker.ServiceClient(base_url=base_url, api_key="tml-local")
         self.runs = [
             service.create_lora_training_client(base_model=base_model, rank=shape.rank, seed=k).result()
             for k in range(shape.slots)
@@ -77,6 +77,10 @@ class SdkSteps:
             for datums in slot_datums
         ]
         self.params = types.AdamParams(learning_rate=_LEARNING_RATE)
+
+    def close(self) -> None:
+        """Finish the SDK session while the server still runs (else its heartbeats fail until exit)."""
+        self.service.close("success").result(timeout=30)
 
     def __call__(self) -> None:
         passes = [
@@ -123,11 +127,10 @@ def bench_api(args: argparse.Namespace) -> int:
         threads = torch.get_num_threads()
         with serve(serve_args, Path(scratch) / "data", threads, args.server_timeout_s) as server:
             engine = build_engine(model_dir, device, shape.slots, shape.rank)
-            runs: dict[str, Run] = {
-                "sdk": SdkSteps(server.base_url, model_dir.name, shape, slot_datums),
-                "engine": DirectSteps(engine, shape, slot_datums),
-            }
+            sdk = SdkSteps(server.base_url, model_dir.name, shape, slot_datums)
+            runs: dict[str, Run] = {"sdk": sdk, "engine": DirectSteps(engine, shape, slot_datums)}
             timings = time_interleaved(runs, rounds, _WARMUP, device, {"server": server.cpu_seconds})
+            sdk.close()
             # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
             memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
