@@ -4,6 +4,7 @@ what the SDK sent, and every request's JSON log line carries its fields."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import httpx
@@ -37,10 +38,18 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def log_lines(server: Server) -> list[dict]:
-    """The server's JSON log lines (its stdout and stderr go to one file)."""
-    text = (server.data_dir.parent / f"server-{server.port}.log").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+def log_lines(
+    server: Server, until: Callable[[list[dict]], bool] = bool, timeout_s: float = 10.0
+) -> list[dict]:
+    """The server's JSON log lines (its stdout and stderr go to one file), read again until `until` holds
+    of them: a request's line is written after its response has gone out, so it may lag the client."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = (server.data_dir.parent / f"server-{server.port}.log").read_text()
+        lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        if until(lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
 
 
 def test_counters_move_by_what_the_sdk_sent(json_server: Server) -> None:
@@ -95,11 +104,15 @@ def test_a_failed_request_counts_as_a_user_error_of_its_future(json_server: Serv
 def test_each_request_logs_one_json_line_with_its_fields(json_server: Server) -> None:
     run = new_run(client(json_server), json_server)
     run.forward_backward([sft_datum()], "cross_entropy").result()
-    lines = [
-        line
-        for line in log_lines(json_server)
-        if line.get("route") == "/api/v1/forward_backward" and line.get("run_id") == run.model_id
-    ]
+
+    def ours(lines: list[dict]) -> list[dict]:
+        return [
+            line
+            for line in lines
+            if line.get("route") == "/api/v1/forward_backward" and line.get("run_id") == run.model_id
+        ]
+
+    lines = ours(log_lines(json_server, until=ours))
     assert len(lines) == 1
     (line,) = lines
     assert line["logger"] == "loraplex.requests"
@@ -115,6 +128,13 @@ def test_the_request_id_is_returned_and_logged(json_server: Server) -> None:
     assert response.headers["x-request-id"] == "probe-7f3a"
     fresh = httpx.get(f"{json_server.base_url}/api/v1/healthz").headers["x-request-id"]
     assert fresh != "probe-7f3a" and len(fresh) == 16
-    logged = {line.get("request_id"): line for line in log_lines(json_server)}
+
+    def ids(lines: list[dict]) -> set[str]:
+        return {line.get("request_id") for line in lines}
+
+    logged = {
+        line.get("request_id"): line
+        for line in log_lines(json_server, until=lambda lines: {"probe-7f3a", fresh} <= ids(lines))
+    }
     assert logged["probe-7f3a"]["route"] == "/api/v1/healthz"
     assert logged[fresh]["status"] == 200
