@@ -16,6 +16,7 @@ from loraplex.errors import PermissionDeniedError, UserError
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
+from tests.engine.conftest import randomize_lora_b
 
 OWNER = "owner-digest-a"
 HPARAMS = AdamParams(learning_rate=1e-2, weight_decay=0.1, grad_clip_norm=1.0)
@@ -272,11 +273,7 @@ def test_snapshot_loaded_by_peft_gives_the_engine_logits(decoder, pool, hf_dir, 
     from transformers import AutoModelForCausalLM
 
     slot = pool.create(config)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, t in pool.get(slot).weights.items():
-            if ".lora_B." in name:
-                t.copy_(0.05 * torch.randn(t.shape, generator=generator))
+    randomize_lora_b(pool.get(slot).weights, 0.05, torch.Generator().manual_seed(0))
     save_snapshot(pool, slot, tmp_path / "snap", base_model_name="tiny-qwen3")
     ours = _logits(decoder, slot).detach()
     assert (ours - _logits(decoder, None).detach()).abs().max() > 1e-2  # the adapter matters

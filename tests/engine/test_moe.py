@@ -25,6 +25,7 @@ from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 from loraplex.model.peft_format import to_peft
+from tests.engine.conftest import randomize_lora_b
 from tests.model.test_decoder_parity import save_random_hf_model
 from tests.model.test_moe import MOE_SHAPES, moe_config
 
@@ -57,10 +58,7 @@ def pool(decoder: Decoder) -> SlotPool:
     generator = torch.Generator().manual_seed(0)
     for slot, config in CONFIGS.items():
         assert pool.create(config) == slot
-        with torch.no_grad():
-            for name, tensor in pool.get(slot).weights.items():
-                if ".lora_B." in name:
-                    tensor.copy_(0.05 * torch.randn(tensor.shape, generator=generator))
+        randomize_lora_b(pool.get(slot).weights, 0.05, generator)
     return pool
 
 

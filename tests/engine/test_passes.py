@@ -31,6 +31,7 @@ from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
+from tests.engine.conftest import randomize_lora_b
 
 VOCAB = 64
 MICRO_QWEN3 = {
@@ -106,11 +107,7 @@ def _micro_engine(seed: int = 0) -> LocalEngine:
     )
     engine = LocalEngine(decoder, info, max_slots=len(SLOT_CONFIGS) + 1)
     for config in SLOT_CONFIGS:
-        weights = engine.pool.get(engine.create_slot(config)).weights
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                if name.endswith("lora_B.weight"):
-                    tensor.copy_(0.01 * torch.randn(tensor.shape, generator=generator))
+        randomize_lora_b(engine.pool.get(engine.create_slot(config)).weights, 0.01, generator)
     return engine
 
 

@@ -28,6 +28,7 @@ from loraplex.engine.types import (
 from loraplex.errors import NotFoundError, UserError
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.packing import PackedSequences
+from tests.engine.conftest import randomize_lora_b
 from tests.model.test_decoder_parity import save_random_hf_model
 
 EOS = 258  # the tiny model's <|im_end|>
@@ -133,11 +134,7 @@ def test_greedy_equals_transformers_generate_for_a_peft_adapter(random_qwen3, tm
 
     engine, directory = random_qwen3
     slot = engine.create_slot(LoraConfig(rank=4, seed=3))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in engine.pool.get(slot).weights.items():
-            if ".lora_B." in name:
-                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+    randomize_lora_b(engine.pool.get(slot).weights, 0.1, torch.Generator().manual_seed(0))
     engine.save_snapshot(slot, tmp_path / "snap")
     engine.free_slot(slot)
     base = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)

@@ -4,14 +4,11 @@ which the budget reads, is what its tensors take."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
 import numpy as np
 import pytest
 import torch
 
-from loraplex.engine.local import LocalEngine, build_local_engine
-from loraplex.engine.sampler.validation import SamplingLimits
+from loraplex.engine.local import LocalEngine
 from loraplex.engine.types import SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UserError
 from loraplex.model.kv_cache import KVCache
@@ -19,22 +16,6 @@ from loraplex.model.kv_cache import KVCache
 MIB = 1 << 20
 # The tiny model (model/tiny.py): keys and values × 4 layers × 2 kv heads × head dim 64 × 4 bytes (fp32).
 TINY_KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LocalEngine:
-    return build_local_engine("tiny", tmp_path_factory.mktemp("data"), "cpu", 2, 8, None)
-
-
-@pytest.fixture
-def set_limits(engine: LocalEngine) -> Iterator[Callable[..., None]]:
-    """set_limits(**fields) puts SamplingLimits on the engine's sampler for this test."""
-
-    def put(**fields: int) -> None:
-        engine.sampler.limits = SamplingLimits(**fields)
-
-    yield put
-    engine.sampler.limits = SamplingLimits()
 
 
 def _greedy(prompt_length: int, max_tokens: int, num_samples: int = 1) -> SampleRequest:

@@ -8,20 +8,19 @@ forward over prompt + sampled tokens, log_softmax and topk in plain torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from loraplex.engine.local import LocalEngine, build_local_engine
+from loraplex.engine.local import LocalEngine
 from loraplex.engine.sampler.sampling import draw_token_reference
-from loraplex.engine.sampler.validation import SamplingLimits
 from loraplex.engine.types import LoraConfig, SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UserError
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
+from tests.engine.conftest import randomize_lora_b
 from tests.engine.test_sampler import sample_all, sample_one, tokens_of
 
 TOLERANCE = 1e-5
@@ -29,20 +28,11 @@ PROMPT = tokens_of(b"the cat sat")
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> LocalEngine:
-    return build_local_engine("tiny", tmp_path_factory.mktemp("data"), "cpu", 2, 8, None)
-
-
-@pytest.fixture(scope="module")
 def adapter(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
     """A slot with random LoRA weights and its snapshot: the sampler reads the snapshot, the reference the
     slot."""
     slot = engine.create_slot(LoraConfig(rank=4, seed=3))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in engine.pool.get(slot).weights.items():
-            if ".lora_B." in name:
-                tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
+    randomize_lora_b(engine.pool.get(slot).weights, 0.1, torch.Generator().manual_seed(0))
     snapshot = tmp_path_factory.mktemp("snapshots") / "random"
     engine.save_snapshot(slot, snapshot)
     return slot, snapshot
@@ -52,15 +42,6 @@ def adapter(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> tu
 def model(request: pytest.FixtureRequest, adapter) -> tuple[int | None, Path | None]:
     """(slot for the reference, snapshot for the sampler) of the base model or of the adapter."""
     return (None, None) if request.param == "base" else adapter
-
-
-@pytest.fixture
-def set_limits(engine: LocalEngine) -> Iterator[Callable[..., None]]:
-    def put(**fields: int) -> None:
-        engine.sampler.limits = SamplingLimits(**fields)
-
-    yield put
-    engine.sampler.limits = SamplingLimits()
 
 
 def reference_logits(engine: LocalEngine, tokens: np.ndarray, slot: int | None) -> torch.Tensor:
