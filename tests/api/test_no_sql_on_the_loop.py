@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -102,3 +103,36 @@ def _run_with(http: TestClient, key: dict[str, str]) -> str:
     future = http.post("/api/v1/create_model", json=body, headers=key).json()
     assert _retrieve(http, future["request_id"], key)["model_id"] == future["model_id"]
     return future["model_id"]
+
+
+def test_training_submissions_are_written_on_the_one_submission_thread_which_stops_with_the_app(
+    tmp_path: Path,
+) -> None:
+    service = TrainingService.open(
+        FakeEngine(), ServerConfig(data_dir=tmp_path, long_poll_s=2.0, auth="keys")
+    )
+    key = {"X-API-Key": create_key(service.store, "alice")}
+    threads: list[str] = []
+    submit, reject = service.submit, service.reject
+
+    def recorded(method):
+        def call(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return method(*args, **kwargs)
+
+        return call
+
+    service.submit, service.reject = recorded(submit), recorded(reject)  # type: ignore[method-assign]
+    app = create_app(service)
+    with TestClient(app) as http:
+        run = _run_with(http, key)
+        futures = [
+            http.post("/api/v1/forward_backward", content=_fb_body(run, seq), headers=key).json()
+            for seq in (1, 2, 3)
+        ]
+        refused = {"model_id": run, "seq_id": 4, "adam_params": []}  # recorded as seq_id 4's failed future
+        futures.append(http.post("/api/v1/optim_step", json=refused, headers=key).json())
+        outcomes = [_retrieve(http, future["request_id"], key) for future in futures]
+    assert ["error" in outcome for outcome in outcomes] == [False, False, False, True]
+    assert len(threads) == 4 and {name.split("_")[0] for name in threads} == {"loraplex-submit"}
+    assert app.state.submissions._pool._shutdown  # the app's shutdown stopped the thread

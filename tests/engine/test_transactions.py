@@ -129,3 +129,31 @@ def test_undo_last_takes_back_a_kept_pass_and_step_but_not_one_that_failed(monke
             engine.run_pass(_requests(engine, seed=9), keep_undo=True)
     engine.undo_last()  # the failed pass undid itself and kept nothing: the earlier pass stays
     _assert_same(_state(engine), kept)
+
+
+def test_transactions_copy_into_one_reused_buffer_and_still_restore_exactly(monkeypatch) -> None:
+    """Every snapshot copies into the engine's one UndoBuffer (no fresh memory per step); a later, larger
+    snapshot grows it, and each restore still puts back exactly what its own transaction found."""
+    engine = _micro_engine()
+    slots = dict.fromkeys(engine.pool.live_slots, AdamParams(learning_rate=0.05))
+    engine.run_pass(_requests(engine, seed=1))
+    adams = [engine.pool.get(slot).adam for slot in slots]
+    copied = sum((3 + adam.has_gradients) * adam.weights_N.numel() for adam in adams)
+    engine.optim_step(slots, keep_undo=True)  # weights, both moments, and the gradients a pass filled
+    buffer = engine._undo_buffer._flat
+    assert buffer is not None and buffer.numel() == copied
+    for seed in (2, 3):
+        engine.run_pass(_requests(engine, seed=seed))  # a pass over held gradients: copies them
+        before = _state(engine)
+        engine.optim_step(slots, keep_undo=True)
+        assert engine._undo_buffer._flat is buffer  # the same memory, step after step
+        engine.undo_last()
+        _assert_same(_state(engine), before)
+        engine.optim_step(slots)
+    with monkeypatch.context() as patch:
+        engine.run_pass(_requests(engine, seed=4))
+        before = _state(engine)
+        fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)
+        with pytest.raises(RuntimeError):
+            engine.optim_step(slots)
+    _assert_same(_state(engine), before)

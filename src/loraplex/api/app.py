@@ -35,6 +35,7 @@ from loraplex.api.routes import (
     training,
     unsupported,
 )
+from loraplex.api.submissions import SubmissionThread
 from loraplex.api.wire import describe_errors
 from loraplex.errors import CapacityError, LoraplexError, UserError
 from loraplex.runtime.service import TrainingService
@@ -78,19 +79,25 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     """The app over a (not yet started) service. Its lifespan starts and stops the service, unless
     `run_service` is False: then whoever serves the app runs the service's engine worker itself."""
 
+    submissions = SubmissionThread()
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if not run_service:
-            yield
-            return
-        training_service.start()
         try:
-            yield
+            if not run_service:
+                yield
+                return
+            training_service.start()
+            try:
+                yield
+            finally:
+                await run_in_threadpool(training_service.stop)  # it parks runs: database writes
         finally:
-            await run_in_threadpool(training_service.stop)  # it parks runs: database writes
+            submissions.close()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     app.state.service = training_service
+    app.state.submissions = submissions
     app.add_exception_handler(LoraplexError, _loraplex_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -11,7 +11,6 @@ with `note_request(...)`. No tensors, no SQL.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from contextvars import ContextVar
@@ -20,6 +19,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.api.metrics import Metrics
+from loraplex.ids import random_hex
 
 log = logging.getLogger("loraplex.requests")
 
@@ -105,4 +105,4 @@ def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
             return value.decode()
-    return os.urandom(8).hex()
+    return random_hex(8)

@@ -24,7 +24,7 @@ from loraplex.engine.passes import run_pass
 from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_budget
 from loraplex.engine.slots import SlotPool
-from loraplex.engine.transactions import SlotSnapshot
+from loraplex.engine.transactions import SlotSnapshot, UndoBuffer
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
@@ -81,6 +81,7 @@ class LocalEngine(Engine):
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
         self.max_slots = max_slots
         self._undo: SlotSnapshot | None = None  # the last keep_undo pass or step (distributed ranks)
+        self._undo_buffer = UndoBuffer()  # where every transaction's copies go (transactions.py)
         self.last_pass = PassMetrics()
         self.logprob_chunk = logprob_chunk
         self.max_pass_tokens = max_pass_tokens  # a larger pass runs as several (None: never split)
@@ -121,7 +122,7 @@ class LocalEngine(Engine):
         self.require_live_slots(requests)
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
         adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
-        with self._transaction(SlotSnapshot(adams, with_state=False), keep_undo):
+        with self._transaction(SlotSnapshot(adams, False, self._undo_buffer), keep_undo):
             results = self._run_within_budget(requests)
         for adam in adams:
             adam.has_gradients = True
@@ -168,7 +169,7 @@ class LocalEngine(Engine):
         transaction; keep_undo as for `run_pass`."""
         self._undo = None  # as in run_pass
         adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError before anything changes
-        with self._transaction(SlotSnapshot(adams, with_state=True), keep_undo):
+        with self._transaction(SlotSnapshot(adams, True, self._undo_buffer), keep_undo):
             if reduce_gradients is not None:
                 reduce_gradients([adam.grads_N for adam in adams])
                 for adam in adams:

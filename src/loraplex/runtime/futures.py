@@ -11,12 +11,12 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loraplex.errors import LoraplexError, NotFoundError, ServerError, UserError
+from loraplex.ids import random_hex
 from loraplex.runtime.store import FutureOutcome, Store, utcnow
 from loraplex.runtime.store.results import Result, decode_result, encode_result
 from loraplex.runtime.store.schema import FutureRow
@@ -83,7 +83,7 @@ class FutureTable:
 
     def new(self, tenant: str, request_type: str) -> FutureRecord:
         """A new pending future in memory only (cheap: callers holding a lock persist it after releasing)."""
-        record = FutureRecord(id=f"req-{uuid.uuid4().hex}", tenant=tenant, request_type=request_type)
+        record = FutureRecord(id=f"req-{random_hex()}", tenant=tenant, request_type=request_type)
         with self._lock:
             self._pending[record.id] = record
         return record

@@ -9,7 +9,8 @@ fails validation, an undecodable tensor, a feature this server lacks) is recorde
 failed future (`TrainingService.reject`) and answered like any submission; the SDK then raises the
 precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
 
-The service is called on a worker thread: its database writes never block the event loop.
+The service is called on the submission thread (submissions.py): its database writes never block the
+event loop.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.auth import Service, Tenant
 from loraplex.api.codecs import (
@@ -29,6 +29,7 @@ from loraplex.api.codecs import (
     parse_forward_backward,
 )
 from loraplex.api.request_log import note_request
+from loraplex.api.submissions import SubmissionThread
 from loraplex.api.wire import (
     CreateModelRequest,
     LoadWeightsRequest,
@@ -52,6 +53,10 @@ class UnprocessableBodyError(UserError):
     """A JSON body that cannot be read as the route's request, nor as far as its run and seq_id (422)."""
 
     status_code = 422
+
+
+def _submissions(request: Request) -> SubmissionThread:
+    return request.app.state.submissions
 
 
 def _future(record: FutureRecord, model_id: str, seq_id: int | None = None) -> dict[str, Any]:
@@ -85,10 +90,12 @@ async def _submit_ordered(
     except (ValidationError, UserError) as error:
         refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
         model_id, seq_id = _run_and_seq_id(raw, refusal)
-        record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, request_type, refusal)
+        record = await _submissions(request).call(
+            service.reject, tenant, model_id, seq_id, request_type, refusal
+        )
         return _future(record, model_id, seq_id)
     model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
-    record = await run_in_threadpool(service.submit, tenant, model_id, seq_id, command)
+    record = await _submissions(request).call(service.submit, tenant, model_id, seq_id, command)
     return _future(record, model_id, seq_id)
 
 
@@ -121,7 +128,7 @@ async def load_weights(request: Request, service: Service, tenant: Tenant) -> di
         body = None  # refused below, as the in-place load it names (or a 422 if it names no run)
     if body is not None and body.session_id is not None and body.model_seq_id is not None:
         command = body.to_command()
-        record = await run_in_threadpool(
+        record = await _submissions(request).call(
             service.create_run, tenant, body.session_id, body.model_seq_id, command
         )
         return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
@@ -164,9 +171,11 @@ async def forward_backward(request: Request, service: Service, tenant: Tenant) -
     try:
         command = forward_backward_command(msg)
     except UserError as refusal:
-        record = await run_in_threadpool(service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal)
+        record = await _submissions(request).call(
+            service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal
+        )
         return _future(record, model_id, seq_id)
-    record = await run_in_threadpool(service.submit, tenant, model_id, seq_id, command)
+    record = await _submissions(request).call(service.submit, tenant, model_id, seq_id, command)
     return _future(record, model_id, seq_id)
 
 

@@ -7,8 +7,10 @@ Returned rows are detached snapshots; changing them changes nothing. No tensors,
 from __future__ import annotations
 
 import functools
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -29,8 +31,9 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.engine import Connection
 from sqlalchemy.engine import Engine as SqlEngine
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.runtime.store.schema import (
     COLUMNS_ADDED,
@@ -109,6 +112,12 @@ class Store:
         Base.metadata.create_all(self._engine)
         _upgrade(self._engine)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
+        # SQLite lets one connection write at a time and makes the others poll for the lock, sleeping 1,
+        # 2, 5, 10 ... ms between tries; writers queue on a lock of ours instead and wake the moment it is
+        # free. PostgreSQL locks rows, so its writers go in parallel.
+        self._writer: AbstractContextManager[Any] = (
+            threading.Lock() if self._engine.dialect.name == "sqlite" else nullcontext()
+        )
 
     @property
     def display_url(self) -> str:
@@ -119,8 +128,20 @@ class Store:
         """Release pooled connections."""
         self._engine.dispose()
 
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """An ORM session in a write transaction, committed on exit."""
+        with self._writer, self._session.begin() as s:
+            yield s
+
+    @contextmanager
+    def _writing_core(self) -> Iterator[Connection]:
+        """A Core connection in a write transaction (the request path's prebuilt statements)."""
+        with self._writer, self._engine.begin() as connection:
+            yield connection
+
     def _add(self, row: Base) -> None:
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.add(row)
 
     def _get(self, cls: type, key: Any) -> Any:
@@ -157,7 +178,7 @@ class Store:
 
     def revoke_key(self, key_id: str) -> bool:
         """Revoke a key by its public id; False if there is no such unrevoked key."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             query = update(ApiKeyRow).where(ApiKeyRow.key_id == key_id, ApiKeyRow.revoked_at.is_(None))
             return s.execute(query.values(revoked_at=utcnow())).rowcount > 0
 
@@ -210,7 +231,7 @@ class Store:
 
     def update_session(self, session_id: str, **values: Any) -> None:
         """Set columns of one session (heartbeat time, finish reason)."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(update(SessionRow).where(SessionRow.id == session_id).values(**values))
 
     # --- training runs
@@ -220,7 +241,7 @@ class Store:
 
     def update_run(self, run_id: str, **values: Any) -> None:
         """Set columns of one run (status, last request time)."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(update(RunRow).where(RunRow.id == run_id).values(**values))
 
     def get_run(self, run_id: str) -> RunRow | None:
@@ -239,7 +260,7 @@ class Store:
     # --- checkpoints
     def put_checkpoint(self, row: CheckpointRow) -> None:
         """Insert a checkpoint, replacing one with the same path (overwrite was checked by the caller)."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(delete(CheckpointRow).where(*_same_path(row.run_id, row.kind, row.name)))
             s.add(row)
 
@@ -250,12 +271,12 @@ class Store:
 
     def delete_checkpoint(self, run_id: str, kind: str, name: str) -> None:
         """Forget a checkpoint."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(delete(CheckpointRow).where(*_same_path(run_id, kind, name)))
 
     def update_checkpoint(self, run_id: str, kind: str, name: str, **values: object) -> None:
         """Change fields of a checkpoint (public, expires_at)."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(update(CheckpointRow).where(*_same_path(run_id, kind, name)).values(**values))
 
     def run_checkpoints(self, run_id: str) -> list[CheckpointRow]:
@@ -313,7 +334,7 @@ class Store:
         a sampler's its last use (one transaction)."""
         values = {column.key: getattr(row, column.key) for column in _FUTURES.columns}
         stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
-        with self._engine.begin() as connection:
+        with self._writing_core() as connection:
             connection.execute(_INSERT_FUTURE, values)
             if row.run_id is not None:
                 connection.execute(_STAMP_SAMPLER if row.request_type == "Sample" else _STAMP_RUN, stamp)
@@ -334,7 +355,7 @@ class Store:
             }
             for o in outcomes
         ]
-        with self._engine.begin() as connection:
+        with self._writing_core() as connection:
             connection.execute(_FINISH_FUTURE, rows)
 
     def get_future(self, future_id: str) -> FutureRow | None:
@@ -375,7 +396,7 @@ class Store:
     def fail_pending_futures(self, error: str) -> int:
         """Fail every unfinished future (start-up after a crash) with a server error; return how many."""
         values = {"status": "failed", "error": error, "category": "server", "completed_at": utcnow()}
-        with self._session.begin() as s:
+        with self._writing() as s:
             return s.execute(update(FutureRow).where(FutureRow.status == "pending").values(**values)).rowcount
 
     def last_seq_ids(self) -> dict[str, int]:
@@ -397,7 +418,7 @@ class Store:
         transaction."""
         if not rows:
             return
-        with self._engine.begin() as connection:
+        with self._writing_core() as connection:
             connection.execute(_INSERT_METRICS, list(rows))
             steps = [{"stamped_id": run_id, "new_step": step} for run_id, step in last_steps.items()]
             if steps:
@@ -437,7 +458,7 @@ class Store:
         """Delete the metric history of runs last used before `idle_before`, and every run's records beyond
         its newest `keep_per_run`; return how many."""
         deleted = 0
-        with self._session.begin() as s:
+        with self._writing() as s:
             deleted += s.execute(
                 delete(MetricRow).where(MetricRow.run_id.in_(_idle_runs(idle_before)))
             ).rowcount
@@ -470,7 +491,7 @@ class Store:
     # --- retention (runtime/retention.py decides; these only select and delete)
     def prune_futures(self, finished_before: datetime) -> int:
         """Delete futures that finished before the given time; return how many."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             query = delete(FutureRow).where(
                 FutureRow.status != "pending", FutureRow.completed_at < finished_before
             )
@@ -494,7 +515,7 @@ class Store:
 
     def delete_sampler(self, sampler_id: str) -> None:
         """Forget a sampling session."""
-        with self._session.begin() as s:
+        with self._writing() as s:
             s.execute(delete(SamplerRow).where(SamplerRow.id == sampler_id))
 
     def sessions_by_id(self, session_ids: Sequence[str]) -> dict[str, SessionRow]:
