@@ -3,6 +3,7 @@ repeated across threads or pages."""
 
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,3 +34,14 @@ def test_a_new_page_is_read_only_when_the_current_one_is_used_up(monkeypatch) ->
     for _ in range(512):
         ids.random_hex()
     assert reads == [4096, 4096]  # 512 ids of 16 bytes: two pages, two system calls
+
+
+def test_a_forked_child_draws_from_a_page_of_its_own() -> None:
+    ids.random_hex()  # the parent holds a partly used page
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child process
+        os.write(write, ids.random_hex().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    assert os.read(read, 64).decode() != ids.random_hex()  # the parent's next id is not the child's

@@ -26,3 +26,12 @@ def random_hex(num_bytes: int = 16) -> str:
         chunk = _page[_used : _used + num_bytes]
         _used += num_bytes
     return chunk.hex()
+
+
+def _forget_page() -> None:
+    """A forked child must not hand out the ids left on its parent's page."""
+    global _page, _used
+    _page, _used = b"", 0
+
+
+os.register_at_fork(after_in_child=_forget_page)
