@@ -41,12 +41,13 @@ class UndoBuffer:
         """Flat tensors shaped like `like` (same dtype and device, all alike), carved from the buffer."""
         if not like:
             return []
-        sizes, first = [t.numel() for t in like], like[0]
-        if not self._fits(sum(sizes), first):
+        sizes = [t.numel() for t in like]
+        total, first = sum(sizes), like[0]
+        flat = self._flat if self._fits(total, first) else None
+        if flat is None:
             self._flat = None  # let the old memory go before the new is allocated
-            self._flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
-        assert self._flat is not None
-        return list(self._flat[: sum(sizes)].split(sizes))
+            self._flat = flat = torch.empty(total, dtype=first.dtype, device=first.device)
+        return list(flat[:total].split(sizes))
 
     def _fits(self, numel: int, like: Tensor) -> bool:
         flat = self._flat
