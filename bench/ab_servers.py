@@ -10,6 +10,7 @@ same tree differ by up to 10% (docs/BENCHMARKS.md, sixth session).
 Usage (repo root):
   .venv/bin/python bench/ab_servers.py --a /path/to/other/worktree/src --b - [--rounds 40]
       [--model tiny-qwen3-bench] [--a-args "--log-level warning"] [--b-args ...]
+      [--a-env "OMP_WAIT_POLICY=passive"] [--b-env ...]
 A source '-' is this checkout; any other is put first on that server's PYTHONPATH.
 """
 
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--b", required=True, help="source tree of server B ('-': this checkout)")
     parser.add_argument("--a-args", default="", help="extra `loraplex serve` flags of server A")
     parser.add_argument("--b-args", default="", help="extra `loraplex serve` flags of server B")
+    parser.add_argument("--a-env", default="", help="extra environment of server A (NAME=value ...)")
+    parser.add_argument("--b-env", default="", help="extra environment of server B (NAME=value ...)")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--model", default="tiny-qwen3-bench")
     parser.add_argument("--slots", type=int, default=8)
@@ -64,21 +67,30 @@ def main() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     device = torch.device("cpu")
     shape = TrainShape(args.slots, args.tokens_per_slot, args.rank, args.tokens_per_slot)
-    sides = {"A": (args.a, args.a_args), "B": (args.b, args.b_args)}
+    sides = {"A": (args.a, args.a_args, args.a_env), "B": (args.b, args.b_args, args.b_env)}
     with tempfile.TemporaryDirectory(prefix="loraplex-ab-") as scratch, ExitStack() as stack:
         model_dir = prepare_model_dir(args.model, Path(scratch), run_dtype(device), device)
         datums = make_slot_datums(shape, int(report.read_json(model_dir / "config.json")["vocab_size"]))
         serve_args = ["--model", str(model_dir), "--model-name", model_dir.name, "--device", "cpu"]
         serve_args += ["--max-slots", str(shape.slots), "--max-rank", str(shape.rank)]
         servers: dict[str, tuple[Server, SdkSteps]] = {}
-        for name, (source, flags) in sides.items():
+        for name, (source, flags, env) in sides.items():
+            extra_env = dict(pair.split("=", 1) for pair in shlex.split(env))
             if source != "-":
-                os.environ["PYTHONPATH"] = source
+                extra_env["PYTHONPATH"] = source
+            saved = {key: os.environ.get(key) for key in extra_env}
+            os.environ.update(extra_env)
             data = Path(scratch) / f"data-{name}"
-            server = stack.enter_context(
-                serve(serve_args + shlex.split(flags), data, torch.get_num_threads())
-            )
-            os.environ.pop("PYTHONPATH", None)
+            try:
+                server = stack.enter_context(
+                    serve(serve_args + shlex.split(flags), data, torch.get_num_threads())
+                )
+            finally:
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key)
+                    else:
+                        os.environ[key] = value
             servers[name] = (server, SdkSteps(server.base_url, model_dir.name, shape, datums))
         for _, sdk in servers.values():
             sdk()  # warm-up

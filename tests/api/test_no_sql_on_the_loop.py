@@ -113,16 +113,13 @@ def test_training_submissions_are_written_on_the_one_submission_thread_which_sto
     )
     key = {"X-API-Key": create_key(service.store, "alice")}
     threads: list[str] = []
-    submit, reject = service.submit, service.reject
+    submit_many = service.submit_many
 
-    def recorded(method):
-        def call(*args, **kwargs):
-            threads.append(threading.current_thread().name)
-            return method(*args, **kwargs)
+    def recorded(submissions):
+        threads.extend(threading.current_thread().name for _ in submissions)
+        return submit_many(submissions)
 
-        return call
-
-    service.submit, service.reject = recorded(submit), recorded(reject)  # type: ignore[method-assign]
+    service.submit_many = recorded  # type: ignore[method-assign]
     app = create_app(service)
     with TestClient(app) as http:
         run = _run_with(http, key)
@@ -134,5 +131,5 @@ def test_training_submissions_are_written_on_the_one_submission_thread_which_sto
         futures.append(http.post("/api/v1/optim_step", json=refused, headers=key).json())
         outcomes = [_retrieve(http, future["request_id"], key) for future in futures]
     assert ["error" in outcome for outcome in outcomes] == [False, False, False, True]
-    assert len(threads) == 4 and {name.split("_")[0] for name in threads} == {"loraplex-submit"}
-    assert app.state.submissions._pool._shutdown  # the app's shutdown stopped the thread
+    assert threads == ["loraplex-submit"] * 4
+    assert not app.state.submissions._thread.is_alive()  # the app's shutdown stopped the thread

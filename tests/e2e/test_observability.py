@@ -82,7 +82,8 @@ def test_counters_move_by_what_the_sdk_sent(json_server: Server) -> None:
     assert value(after, "loraplex_slots_used") == 1
     assert value(after, "loraplex_queue_depth", kind="forward_backward") == 0
     assert moved("loraplex_pass_duration_seconds_count") == moved("loraplex_passes_total") >= 1
-    assert moved("loraplex_db_call_duration_seconds_count", op="add_future") == 4
+    # The four submissions' futures, in one transaction each or fewer (those that wait go together).
+    assert 1 <= moved("loraplex_db_call_duration_seconds_count", op="add_futures") <= 4
     # Labels are templates and categories, never ids: no run, future or session id appears in any label.
     assert not [labels for (_, labels) in after if any(run.model_id in v for _, v in labels)]
 

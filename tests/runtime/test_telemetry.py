@@ -93,13 +93,13 @@ def test_outcomes_and_database_calls_are_counted(clock: FakeClock) -> None:
     telemetry = Telemetry(clock=clock)
     telemetry.record_outcomes(3, {"user": 1})
     telemetry.record_outcomes(2, {"user": 1, "server": 1})
-    telemetry.record_db_call("add_future", 0.0002)
-    telemetry.record_db_call("add_future", 0.0004)
+    telemetry.record_db_call("add_futures", 0.0002)
+    telemetry.record_db_call("add_futures", 0.0004)
     snapshot = telemetry.snapshot()
     assert snapshot.totals.futures_complete == 5
     assert snapshot.totals.futures_failed == {"user": 2, "server": 1}
-    assert snapshot.db_call_duration["add_future"].count == 2
-    assert snapshot.db_call_duration["add_future"].sum == pytest.approx(0.0006)
+    assert snapshot.db_call_duration["add_futures"].count == 2
+    assert snapshot.db_call_duration["add_futures"].sum == pytest.approx(0.0006)
 
 
 def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeClock) -> None:
@@ -149,7 +149,7 @@ def test_the_service_reports_passes_steps_queues_and_slots(
     assert snapshot.totals.futures_complete == 5  # create, three passes, one optim step
     assert snapshot.futures_pending == 0
     assert snapshot.queue_depth == dict.fromkeys(QUEUE_KINDS, 0)
-    assert snapshot.db_call_duration["add_future"].count >= 5
+    assert snapshot.db_call_duration["add_futures"].count >= 5
 
 
 def test_the_engine_loop_summarises_each_busy_cycle_at_debug_level(

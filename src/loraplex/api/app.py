@@ -79,7 +79,7 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     """The app over a (not yet started) service. Its lifespan starts and stops the service, unless
     `run_service` is False: then whoever serves the app runs the service's engine worker itself."""
 
-    submissions = SubmissionThread()
+    submissions = SubmissionThread(training_service)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -105,11 +105,13 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     # Added last, so outermost: its log line and metrics see BodyLimit's refusals too.
     app.state.metrics = Metrics(training_service)
     app.add_middleware(RequestObserver, metrics=app.state.metrics)
-    app.include_router(metrics_router)
+    # FastAPI tries routes in the order they were added, a regex each, twice per request: the routes of
+    # every training step (retrieve_future, then forward_backward and optim_step) come first.
     # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
-    for module in (service, training, futures, sampling, downloads, sharing, sessions, unsupported, rest):
+    for module in (futures, training, service, sampling, downloads, sharing, sessions, unsupported, rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(unsupported.fallback, prefix="/api/v1")
+    app.include_router(metrics_router)
     app.include_router(console_router)
     app.mount("/v1", create_openai_app(training_service))
     return app

@@ -7,33 +7,135 @@ runs on one thread of its own rather than on FastAPI's worker pool (anyio, up to
   cores the engine's compute threads are using (docs/BENCHMARKS.md, sixth session);
 - SQLite takes one writer at a time anyway, and on PostgreSQL a submission's two statements take about a
   millisecond: one thread carries far more submissions than the engine can execute.
-Submissions keep their arrival order, and a slow database holds them back no more than it would anyway:
+- Group commit: the submissions that arrive while the thread is busy wait for it, and it then takes
+  them all and writes their futures in one transaction (`TrainingService.submit_many`), a quarter of the
+  cost per row of one transaction each (docs/BENCHMARKS.md, seventh session). A submission is still
+  answered only once its row is written.
+Work runs in arrival order, and a slow database holds submissions back no more than it would anyway:
 each must be written before it is answered. No tensors, no SQL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from loraplex.runtime.futures import FutureRecord
+from loraplex.runtime.service import Submission, TrainingService
+
 T = TypeVar("T")
+
+# The most submissions written in one transaction: bounds how long the first of a long burst waits.
+_MAX_GROUP = 64
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Work handed to the thread and where its outcome goes: a Submission (grouped with its neighbours)
+    or a call made alone."""
+
+    work: Submission | Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def settle(self, outcome: Any, failed: bool) -> None:
+        """Hand the outcome to the awaiting coroutine (nothing if it was cancelled or its loop closed)."""
+        with contextlib.suppress(RuntimeError):  # raised if the loop closed meanwhile: nobody is waiting
+            self.loop.call_soon_threadsafe(_resolve, self.future, outcome, failed)
+
+
+def _resolve(future: asyncio.Future[Any], outcome: Any, failed: bool) -> None:
+    if future.cancelled():  # the request went away; its submission stands, like a resent copy's would
+        return
+    if failed:
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 class SubmissionThread:
-    """Runs blocking runtime calls one at a time on a thread of its own, for the event loop to await."""
+    """Runs training submissions, and blocking runtime calls, one batch at a time on a thread of its own,
+    for the event loop to await."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-submit")
+    def __init__(self, service: TrainingService) -> None:
+        self._service = service
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="loraplex-submit", daemon=True)
+        self._starting = threading.Lock()  # the thread starts with the first work (an app may never serve)
+
+    async def submit(self, submission: Submission) -> FutureRecord:
+        """Submit a request of a run (its future, or the error that refused it), its row written in one
+        transaction with the submissions waiting beside it."""
+        return await self._hand_over(submission)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the submission thread, in the caller's context (the request log's fields)."""
-        context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, partial(context.run, fn, *args))
+        """`fn(*args)` on the thread, alone, in the caller's context (the request log's fields)."""
+        return await self._hand_over(partial(contextvars.copy_context().run, fn, *args))
 
     def close(self) -> None:
         """Finish what was handed over, then stop the thread."""
-        self._pool.shutdown(wait=True)
+        with self._starting:
+            if self._thread.is_alive():
+                self._jobs.put(None)
+                self._thread.join()
+
+    async def _hand_over(self, work: Submission | Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._jobs.put(_Job(work, loop, future))
+        if self._thread.ident is None:
+            with self._starting:
+                if self._thread.ident is None:
+                    self._thread.start()
+        return await future
+
+    def _serve(self) -> None:
+        stopping = False
+        while not stopping:
+            job = self._jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            while len(jobs) < _MAX_GROUP:  # what arrived meanwhile goes in the same transaction
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                    break
+                jobs.append(job)
+            self._run(jobs)
+
+    def _run(self, jobs: list[_Job]) -> None:
+        """Each run of consecutive submissions as one `submit_many`, each call alone, in order."""
+        start = 0
+        while start < len(jobs):
+            end = start + 1
+            if isinstance(jobs[start].work, Submission):
+                while end < len(jobs) and isinstance(jobs[end].work, Submission):
+                    end += 1
+            self._run_group(jobs[start:end])
+            start = end
+
+    def _run_group(self, jobs: list[_Job]) -> None:
+        first = jobs[0].work
+        try:
+            if isinstance(first, Submission):
+                outcomes = self._service.submit_many([job.work for job in jobs])  # type: ignore[misc]
+            else:
+                outcomes = [first()]
+        except BaseException as error:  # the thread must go on: the requests get the error (a 500)
+            for job in jobs:
+                job.settle(error, failed=True)
+            return
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            failed = isinstance(first, Submission) and isinstance(outcome, Exception)
+            job.settle(outcome, failed)

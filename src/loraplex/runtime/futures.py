@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.errors import LoraplexError, NotFoundError, ServerError, UserError
@@ -75,7 +75,7 @@ class FutureTable:
         """A new pending future, persisted."""
         record = self.new(tenant, request_type)
         try:
-            self.persist(record, run_id, seq_id)
+            self.persist([(record, run_id, seq_id)])
         except BaseException:
             self.drop(record.id)
             raise
@@ -88,18 +88,23 @@ class FutureTable:
             self._pending[record.id] = record
         return record
 
-    def persist(self, record: FutureRecord, run_id: str | None = None, seq_id: int | None = None) -> None:
-        """Write a `new` future's row (and stamp its run's last request time)."""
-        row = FutureRow(
-            id=record.id,
-            tenant=record.tenant,
-            request_type=record.request_type,
-            run_id=run_id,
-            seq_id=seq_id,
-            status=PENDING,
-            created_at=utcnow(),
-        )
-        self._store.add_future(row)
+    def persist(self, entries: Sequence[tuple[FutureRecord, str | None, int | None]]) -> None:
+        """Write the rows of `new` futures, each with its run and seq_id (or None), in one transaction (and
+        stamp their runs' last request times)."""
+        created_at = utcnow()
+        rows = [
+            FutureRow(
+                id=record.id,
+                tenant=record.tenant,
+                request_type=record.request_type,
+                run_id=run_id,
+                seq_id=seq_id,
+                status=PENDING,
+                created_at=created_at,
+            )
+            for record, run_id, seq_id in entries
+        ]
+        self._store.add_futures(rows)
 
     def drop(self, future_id: str) -> None:
         """Forget a `new` future whose row could not be written (nobody was given its id)."""

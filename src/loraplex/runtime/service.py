@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine, EngineInfo
@@ -179,29 +180,42 @@ class TrainingService:
                 run.queue.reserve(0, record.id)
         if winner is not run:  # a copy of this request got there first: answer with its future
             return self._resubmitted(winner, tenant, 0)
-        return self._persist_and_queue(run, 0, record, command, None)
+        self._persist_and_queue([_Claim(run, 0, record, command, None)])
+        return record
 
     def submit(self, tenant: str, run_id: str, seq_id: int, command: Command) -> FutureRecord:
         """Submit a command of an existing run; a resent (run, seq_id) returns its first future."""
-        run = self._owned_run(tenant, run_id)
-        _check_seq_id(seq_id)
-        self.sessions.touch(run.session_id)
-        try:
-            self._check_command(run, command)
-            rejection = lost_run_error(run_id) if run.status == LOST else None
-        except UserError as exc:
-            rejection = exc
-        return self._enqueue(run, seq_id, command.request_type, command, rejection)
+        return _one(self.submit_many([Submission(tenant, run_id, seq_id, command.request_type, command)]))
 
     def reject(
         self, tenant: str, run_id: str, seq_id: int, request_type: str, error: UserError
     ) -> FutureRecord:
         """Record a request of `run_id` refused before it became a command (bad body, undecodable, not
         supported here) as its seq_id's failed future, so the run's later requests go on."""
-        run = self._owned_run(tenant, run_id)
-        _check_seq_id(seq_id)
-        self.sessions.touch(run.session_id)
-        return self._enqueue(run, seq_id, request_type, None, error)
+        return _one(self.submit_many([Submission(tenant, run_id, seq_id, request_type, refusal=error)]))
+
+    def submit_many(self, submissions: Sequence[Submission]) -> list[FutureRecord | Exception]:
+        """Submit several requests at once, their new futures written in one database transaction: each
+        gets its future, or the error that refused it without touching the others. If the write fails,
+        every request it carried gets that error and leaves its seq_id free for the retry."""
+        outcomes: list[FutureRecord | Exception] = []
+        claims: list[_Claim] = []
+        for submission in submissions:
+            try:
+                claimed = self._claim(submission)
+            except Exception as error:  # this request's refusal (or fault) only
+                outcomes.append(error)
+                continue
+            if isinstance(claimed, _Claim):
+                claims.append(claimed)
+                claimed = claimed.record
+            outcomes.append(claimed)
+        try:
+            self._persist_and_queue(claims)
+        except Exception as error:
+            unwritten = {claim.record.id for claim in claims}
+            return [error if isinstance(o, FutureRecord) and o.id in unwritten else o for o in outcomes]
+        return outcomes
 
     def run_state(self, tenant: str, run_id: str) -> RunState:
         """A created run of `tenant` (for get_info)."""
@@ -262,7 +276,7 @@ class TrainingService:
             record = self.futures.new(tenant, "Sample")
             self._sampler_seqs[key] = record.id
         try:
-            self.futures.persist(record, sampler_id, seq_id)
+            self.futures.persist([(record, sampler_id, seq_id)])
         except BaseException:
             with self._cond:
                 self.samples.release_room(request.num_samples)
@@ -300,54 +314,57 @@ class TrainingService:
             futures_pending=self.futures.pending_count(),
         )
 
-    def _enqueue(
-        self,
-        run: RunState,
-        seq_id: int,
-        request_type: str,
-        command: Command | None,
-        rejection: Exception | None,
-    ) -> FutureRecord:
-        """Claim (run, seq_id) for a new future in memory, then write and queue it (`_persist_and_queue`); a
-        copy of the same request meanwhile gets the same future."""
+    def _claim(self, submission: Submission) -> _Claim | FutureRecord:
+        """Check a submission and claim its (run, seq_id) for a new future in memory; a copy of a request
+        already claimed, or executed (maybe before a restart), gets that request's future instead."""
+        run = self._owned_run(submission.tenant, submission.run_id)
+        seq_id, command, rejection = submission.seq_id, submission.command, submission.refusal
+        _check_seq_id(seq_id)
+        self.sessions.touch(run.session_id)
+        if rejection is None:
+            assert command is not None
+            try:
+                self._check_command(run, command)
+                rejection = lost_run_error(run.run_id) if run.status == LOST else None
+            except UserError as exc:
+                rejection = exc
         with self._cond:
             if (first := run.queue.future_for(seq_id)) is not None:  # a copy of this request, or a retry
                 return self.futures.get(first, run.tenant)
             executed = seq_id < run.queue.next_seq_id
             if not executed:
-                record = self.futures.new(run.tenant, request_type)
+                record = self.futures.new(run.tenant, submission.request_type)
                 try:
                     run.queue.reserve(seq_id, record.id)
                 except UserError:
                     self.futures.drop(record.id)
                     raise
-        if executed:  # executed before (maybe before a restart): answer with its first future
+        if executed:
             return self._earlier_future(run, seq_id)
-        return self._persist_and_queue(run, seq_id, record, command, rejection)
+        return _Claim(run, seq_id, record, None if rejection else command, rejection)
 
-    def _persist_and_queue(
-        self,
-        run: RunState,
-        seq_id: int,
-        record: FutureRecord,
-        command: Command | None,
-        rejection: Exception | None,
-    ) -> FutureRecord:
-        """Write a claimed future's row (outside the lock), then queue its entry (failed if `rejection`)."""
+    def _persist_and_queue(self, claims: list[_Claim]) -> None:
+        """Write claimed futures' rows in one transaction (outside the lock), then queue their entries; a
+        rejected one's future fails at once. If the write fails, the claims are let go."""
+        if not claims:
+            return
         try:
-            self.futures.persist(record, run.run_id, seq_id)
+            self.futures.persist([(claim.record, claim.run.run_id, claim.seq_id) for claim in claims])
         except BaseException:
             with self._cond:
-                run.queue.release(seq_id)
-            self.futures.drop(record.id)
+                for claim in claims:
+                    claim.run.queue.release(claim.seq_id)
+            for claim in claims:
+                self.futures.drop(claim.record.id)
             raise
+        now = time.monotonic()
         with self._cond:
-            run.queue.add(Entry(seq_id, record.id, None if rejection else command, time.monotonic()))
-            self._active[run.run_id] = run
+            for claim in claims:
+                claim.run.queue.add(Entry(claim.seq_id, claim.record.id, claim.command, now))
+                self._active[claim.run.run_id] = claim.run
             self._cond.notify_all()
-        if rejection is not None:
-            self.futures.fail(record.id, rejection)
-        return record
+        if rejections := {c.record.id: c.rejection for c in claims if c.rejection is not None}:
+            self.futures.finish(rejections)
 
     def _earlier_future(self, run: RunState, seq_id: int) -> FutureRecord:
         future_id = self.store.future_id_for(run.run_id, seq_id)
@@ -465,6 +482,39 @@ class TrainingService:
                 failed,
                 removed,
             )
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A request of an existing run as the API hands it over: its command, or the refusal that kept it
+    from becoming one (recorded as its seq_id's failed future, see `TrainingService.reject`)."""
+
+    tenant: str
+    run_id: str
+    seq_id: int
+    request_type: str
+    command: Command | None = None
+    refusal: UserError | None = None
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A (run, seq_id) claimed in memory for a new future whose row is not written yet; `rejection` set:
+    the future fails as soon as it is written."""
+
+    run: RunState
+    seq_id: int
+    record: FutureRecord
+    command: Command | None
+    rejection: Exception | None
+
+
+def _one(outcomes: list[FutureRecord | Exception]) -> FutureRecord:
+    """The only outcome of a one-request `submit_many`, raised if it is an error."""
+    (outcome,) = outcomes
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def _check_seq_id(seq_id: int) -> None:

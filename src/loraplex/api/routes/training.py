@@ -9,8 +9,8 @@ fails validation, an undecodable tensor, a feature this server lacks) is recorde
 failed future (`TrainingService.reject`) and answered like any submission; the SDK then raises the
 precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
 
-The service is called on the submission thread (submissions.py): its database writes never block the
-event loop.
+Submissions go to the service through the submission thread (submissions.py): their database writes
+never block the event loop, and a burst of them is written in one transaction.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from loraplex.api.wire import (
 from loraplex.errors import UserError
 from loraplex.runtime.commands import Command
 from loraplex.runtime.futures import FutureRecord
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.service import Submission
 
 router = APIRouter()
 
@@ -76,7 +76,6 @@ def _json_route(wire: type[BaseModel]) -> dict[str, Any]:
 
 async def _submit_ordered(
     request: Request,
-    service: TrainingService,
     tenant: str,
     wire: type[BaseModel],
     request_type: str,
@@ -90,13 +89,11 @@ async def _submit_ordered(
     except (ValidationError, UserError) as error:
         refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
         model_id, seq_id = _run_and_seq_id(raw, refusal)
-        record = await _submissions(request).call(
-            service.reject, tenant, model_id, seq_id, request_type, refusal
-        )
-        return _future(record, model_id, seq_id)
-    model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
-    record = await _submissions(request).call(service.submit, tenant, model_id, seq_id, command)
-    return _future(record, model_id, seq_id)
+        submission = Submission(tenant, model_id, seq_id, request_type, refusal=refusal)
+    else:
+        model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
+        submission = Submission(tenant, model_id, seq_id, command.request_type, command)
+    return _future(await _submissions(request).submit(submission), model_id, seq_id)
 
 
 def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
@@ -140,7 +137,7 @@ async def load_weights(request: Request, service: Service, tenant: Tenant) -> di
             )
         return body.to_command()
 
-    return await _submit_ordered(request, service, tenant, LoadWeightsRequest, "LoadWeights", in_place)
+    return await _submit_ordered(request, tenant, LoadWeightsRequest, "LoadWeights", in_place)
 
 
 @router.post("/get_info")
@@ -163,33 +160,27 @@ async def get_info(body: ModelRequest, service: Service, tenant: Tenant) -> dict
 
 @router.post("/forward_backward")
 @router.post("/forward")
-async def forward_backward(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+async def forward_backward(request: Request, tenant: Tenant) -> dict[str, Any]:
     """forward and forward_backward share this handler: the proto's forward_only says which."""
     body = decompress(await request.body(), request.headers.get("content-encoding"))
     msg = parse_forward_backward(body)
     model_id, seq_id = msg.model_id, msg.seq_id
     try:
-        command = forward_backward_command(msg)
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", forward_backward_command(msg))
     except UserError as refusal:
-        record = await _submissions(request).call(
-            service.reject, tenant, model_id, seq_id, "ForwardBackward", refusal
-        )
-        return _future(record, model_id, seq_id)
-    record = await _submissions(request).call(service.submit, tenant, model_id, seq_id, command)
-    return _future(record, model_id, seq_id)
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", refusal=refusal)
+    return _future(await _submissions(request).submit(submission), model_id, seq_id)
 
 
 @router.post("/optim_step", **_json_route(OptimStepRequest))
-async def optim_step(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
-    return await _submit_ordered(
-        request, service, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command
-    )
+async def optim_step(request: Request, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(request, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command)
 
 
 @router.post("/save_weights", **_json_route(SaveWeightsRequest))
-async def save_weights(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+async def save_weights(request: Request, tenant: Tenant) -> dict[str, Any]:
     return await _submit_ordered(
-        request, service, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
+        request, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
     )
 
 
@@ -199,15 +190,14 @@ async def save_weights_for_sampler(request: Request, service: Service, tenant: T
         return body.to_command(service.run_state(tenant, body.model_id).session_id)
 
     return await _submit_ordered(
-        request, service, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
+        request, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
     )
 
 
 @router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
-async def save_weights_external(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+async def save_weights_external(request: Request, tenant: Tenant) -> dict[str, Any]:
     return await _submit_ordered(
         request,
-        service,
         tenant,
         SaveWeightsExternalRequest,
         "SaveWeightsExternal",

@@ -327,17 +327,24 @@ class Store:
         return self._all(query.order_by(SamplerRow.created_at.desc(), SamplerRow.id).limit(limit))
 
     # --- futures
-    # add_future and finish_futures run on every request: prebuilt Core statements on a connection, not
+    # add_futures and finish_futures run on every request: prebuilt Core statements on a connection, not
     # the ORM's unit of work, which costs several times more Python per row.
-    def add_future(self, row: FutureRow) -> None:
-        """Store a new future; a run's future also stamps the run's last request time and highest seq_id,
-        a sampler's its last use (one transaction)."""
-        values = {column.key: getattr(row, column.key) for column in _FUTURES.columns}
-        stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
+    def add_futures(self, rows: Sequence[FutureRow]) -> None:
+        """Store new futures in one transaction; a run's future also stamps the run's last request time and
+        highest seq_id, a sampler's its last use."""
+        if not rows:
+            return
+        values = [{column.key: getattr(row, column.key) for column in _FUTURES.columns} for row in rows]
+        stamps: dict[Any, list[dict[str, Any]]] = {_STAMP_RUN: [], _STAMP_SAMPLER: []}
+        for row in rows:
+            if row.run_id is not None:
+                stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
+                stamps[_STAMP_SAMPLER if row.request_type == "Sample" else _STAMP_RUN].append(stamp)
         with self._writing_core() as connection:
             connection.execute(_INSERT_FUTURE, values)
-            if row.run_id is not None:
-                connection.execute(_STAMP_SAMPLER if row.request_type == "Sample" else _STAMP_RUN, stamp)
+            for statement, params in stamps.items():
+                if params:
+                    connection.execute(statement, params)
 
     def finish_futures(self, outcomes: Sequence[FutureOutcome]) -> None:
         """Record the outcomes of several futures in one transaction."""
