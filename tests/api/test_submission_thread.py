@@ -7,8 +7,10 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+import pytest
+
 from loraplex.api.submissions import SubmissionThread
-from loraplex.errors import UserError
+from loraplex.errors import ServerError, UserError
 from loraplex.runtime.futures import FutureRecord
 from loraplex.runtime.service import Submission
 
@@ -95,3 +97,5 @@ def test_closing_finishes_what_was_handed_over_and_an_unused_thread_never_starts
     records = asyncio.run(hand_over_then_close())
     assert [r.id for r in records] == ["f1", "f2", "f3"]
     assert not thread._thread.is_alive()
+    with pytest.raises(ServerError, match="shutting down"):  # not a wait for a thread that is gone
+        asyncio.run(thread.submit(_submission(4)))

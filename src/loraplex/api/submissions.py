@@ -7,12 +7,11 @@ runs on one thread of its own rather than on FastAPI's worker pool (anyio, up to
   cores the engine's compute threads are using (docs/BENCHMARKS.md, sixth session);
 - SQLite takes one writer at a time anyway, and on PostgreSQL a submission's two statements take about a
   millisecond: one thread carries far more submissions than the engine can execute.
-- Group commit: the submissions that arrive while the thread is busy wait for it, and it then takes
-  them all and writes their futures in one transaction (`TrainingService.submit_many`), a quarter of the
-  cost per row of one transaction each (docs/BENCHMARKS.md, seventh session). A submission is still
-  answered only once its row is written.
-Work runs in arrival order, and a slow database holds submissions back no more than it would anyway:
-each must be written before it is answered. No tensors, no SQL.
+Group commit: the submissions that arrive while the thread is busy wait for it; it then takes them all
+and writes their futures in one transaction (`TrainingService.submit_many`), at a third to a quarter of
+the CPU per row of one transaction each (docs/BENCHMARKS.md, seventh session). Work runs in arrival
+order, and a slow database holds submissions back no more than it would anyway: each is answered only
+once its row is written. No tensors, no SQL.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from loraplex.errors import ServerError
 from loraplex.runtime.futures import FutureRecord
 from loraplex.runtime.service import Submission, TrainingService
 
@@ -69,6 +69,7 @@ class SubmissionThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="loraplex-submit", daemon=True)
         self._starting = threading.Lock()  # the thread starts with the first work (an app may never serve)
+        self._closed = False
 
     async def submit(self, submission: Submission) -> FutureRecord:
         """Submit a request of a run (its future, or the error that refused it), its row written in one
@@ -82,11 +83,14 @@ class SubmissionThread:
     def close(self) -> None:
         """Finish what was handed over, then stop the thread."""
         with self._starting:
+            self._closed = True
             if self._thread.is_alive():
                 self._jobs.put(None)
                 self._thread.join()
 
     async def _hand_over(self, work: Submission | Callable[[], Any]) -> Any:
+        if self._closed:
+            raise ServerError("the server is shutting down; submit the request again once it is back")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._jobs.put(_Job(work, loop, future))
