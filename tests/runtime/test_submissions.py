@@ -78,6 +78,29 @@ def test_a_failed_write_fails_every_request_it_carried_and_frees_their_seq_ids(
     assert [result_of(service, r).status for r in retried] == ["complete", "complete"]  # type: ignore[arg-type]
 
 
+def test_a_row_that_cannot_be_written_refuses_its_own_request_not_the_others_beside_it(
+    service_factory, monkeypatch
+) -> None:
+    service = service_factory()
+    good, bad = create_run(service, seed=1), create_run(service, seed=2)
+    add_futures = service.store.add_futures
+    writes: list[list[str]] = []
+
+    def refuse_bad(rows):
+        writes.append([row.run_id for row in rows])
+        if any(row.run_id == bad for row in rows):
+            raise OSError("this row cannot be written")
+        return add_futures(rows)
+
+    monkeypatch.setattr(service.store, "add_futures", refuse_bad)
+    outcomes = service.submit_many([_fb(good, 1), _fb(bad, 1), _fb(good, 2)])
+    assert writes == [[good, bad, good], [good], [bad], [good]]  # the group, then each row alone
+    assert isinstance(outcomes[1], OSError)
+    assert [result_of(service, outcomes[i]).status for i in (0, 2)] == ["complete", "complete"]  # type: ignore[arg-type]
+    monkeypatch.setattr(service.store, "add_futures", add_futures)
+    assert result_of(service, service.submit("local", bad, 1, sft_pass())).status == "complete"  # its retry
+
+
 def test_submit_and_reject_are_a_burst_of_one(service_factory, monkeypatch) -> None:
     service = service_factory()
     run = create_run(service)

@@ -180,7 +180,8 @@ class TrainingService:
                 run.queue.reserve(0, record.id)
         if winner is not run:  # a copy of this request got there first: answer with its future
             return self._resubmitted(winner, tenant, 0)
-        self._persist_and_queue([_Claim(run, 0, record, command, None)])
+        if failed := self._persist_and_queue([_Claim(run, 0, record, command, None)]):
+            raise failed[record.id]
         return record
 
     def submit(self, tenant: str, run_id: str, seq_id: int, command: Command) -> FutureRecord:
@@ -196,8 +197,8 @@ class TrainingService:
 
     def submit_many(self, submissions: Sequence[Submission]) -> list[FutureRecord | Exception]:
         """Submit several requests at once, their new futures written in one database transaction: each
-        gets its future, or the error that refused it without touching the others. If the write fails,
-        every request it carried gets that error and leaves its seq_id free for the retry."""
+        gets its future, or the error that refused it without touching the others. A request whose row
+        cannot be written gets that error and leaves its seq_id free for the retry."""
         outcomes: list[FutureRecord | Exception] = []
         claims: list[_Claim] = []
         for submission in submissions:
@@ -210,12 +211,8 @@ class TrainingService:
                 claims.append(claimed)
                 claimed = claimed.record
             outcomes.append(claimed)
-        try:
-            self._persist_and_queue(claims)
-        except Exception as error:
-            unwritten = {claim.record.id for claim in claims}
-            return [error if isinstance(o, FutureRecord) and o.id in unwritten else o for o in outcomes]
-        return outcomes
+        failed = self._persist_and_queue(claims) if claims else {}
+        return [failed.get(o.id, o) if isinstance(o, FutureRecord) else o for o in outcomes]
 
     def run_state(self, tenant: str, run_id: str) -> RunState:
         """A created run of `tenant` (for get_info)."""
@@ -343,28 +340,48 @@ class TrainingService:
             return self._earlier_future(run, seq_id)
         return _Claim(run, seq_id, record, None if rejection else command, rejection)
 
-    def _persist_and_queue(self, claims: list[_Claim]) -> None:
-        """Write claimed futures' rows in one transaction (outside the lock), then queue their entries; a
-        rejected one's future fails at once. If the write fails, the claims are let go."""
-        if not claims:
-            return
+    def _persist_and_queue(self, claims: list[_Claim]) -> dict[str, Exception]:
+        """Write claimed futures' rows (outside the lock), then queue their entries; a rejected one's
+        future fails at once. Returns the errors of the claims whose rows could not be written, by future
+        id; those claims are let go."""
         try:
-            self.futures.persist([(claim.record, claim.run.run_id, claim.seq_id) for claim in claims])
+            failed = self._persist(claims)
         except BaseException:
-            with self._cond:
-                for claim in claims:
-                    claim.run.queue.release(claim.seq_id)
-            for claim in claims:
-                self.futures.drop(claim.record.id)
+            self._let_go(claims)
             raise
+        self._let_go([claim for claim in claims if claim.record.id in failed])
+        written = [claim for claim in claims if claim.record.id not in failed]
         now = time.monotonic()
         with self._cond:
-            for claim in claims:
+            for claim in written:
                 claim.run.queue.add(Entry(claim.seq_id, claim.record.id, claim.command, now))
                 self._active[claim.run.run_id] = claim.run
             self._cond.notify_all()
-        if rejections := {c.record.id: c.rejection for c in claims if c.rejection is not None}:
+        if rejections := {c.record.id: c.rejection for c in written if c.rejection is not None}:
             self.futures.finish(rejections)
+        return failed
+
+    def _persist(self, claims: list[_Claim]) -> dict[str, Exception]:
+        """Write the claims' rows in one transaction; if it fails, each alone, so that one request's bad
+        row does not refuse the others beside it. The errors of the rows not written, by future id."""
+        try:
+            self.futures.persist([(claim.record, claim.run.run_id, claim.seq_id) for claim in claims])
+        except Exception as error:
+            if len(claims) == 1:
+                return {claims[0].record.id: error}
+            log.warning(
+                "writing %d futures in one transaction failed (%r); writing each alone", len(claims), error
+            )
+            return {key: e for claim in claims for key, e in self._persist([claim]).items()}
+        return {}
+
+    def _let_go(self, claims: list[_Claim]) -> None:
+        """Release claims whose rows were not written: their seq_ids are free again, their futures gone."""
+        with self._cond:
+            for claim in claims:
+                claim.run.queue.release(claim.seq_id)
+        for claim in claims:
+            self.futures.drop(claim.record.id)
 
     def _earlier_future(self, run: RunState, seq_id: int) -> FutureRecord:
         future_id = self.store.future_id_for(run.run_id, seq_id)
