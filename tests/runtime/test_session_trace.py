@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.service import Submission, TrainingService
 from tests.runtime.conftest import create_run, held, result_of, sft_pass, train_steps
 
 
@@ -23,7 +23,10 @@ def test_each_recorded_request_is_a_slice_of_its_runs_process_in_seq_id_order(se
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 2)  # seq 1-4
-    result_of(service, service.reject("local", run, 5, "ForwardBackward", UserError("no such loss")))
+    (refused,) = service.submit_many(
+        [Submission("local", run, 5, "ForwardBackward", refusal=UserError("no such loss"))]
+    )
+    result_of(service, refused)  # type: ignore[arg-type]
     trace = _trace(service, run.split(":")[0])
 
     events = trace["traceEvents"]

@@ -101,12 +101,14 @@ def test_a_row_that_cannot_be_written_refuses_its_own_request_not_the_others_bes
     assert result_of(service, service.submit("local", bad, 1, sft_pass())).status == "complete"  # its retry
 
 
-def test_submit_and_reject_are_a_burst_of_one(service_factory, monkeypatch) -> None:
+def test_submit_is_a_burst_of_one_and_a_refusal_is_its_seq_ids_failed_future(
+    service_factory, monkeypatch
+) -> None:
     service = service_factory()
     run = create_run(service)
     writes = _record_writes(service, monkeypatch)
     assert result_of(service, service.submit("local", run, 1, sft_pass())).status == "complete"
-    refused = service.reject("local", run, 2, "OptimStep", UserError("no"))
+    (refused,) = service.submit_many([Submission("local", run, 2, "OptimStep", refusal=UserError("no"))])
     assert result_of(service, refused).error == "no"
     with pytest.raises(NotFoundError):
         service.submit("local", "nobody:train:0", 1, sft_pass())

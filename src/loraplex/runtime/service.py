@@ -4,10 +4,11 @@ with a future; the engine worker does the rest.
 Every method is cheap and never touches the engine's state (only the engine's `validate_*_request`
 checks, which are pure and read no slot). Every seq_id a training request names is accounted for: a
 request refused for any reason once its run and seq_id are known (its body, its decoding, an unknown
-loss, a feature this server lacks) is recorded as that seq_id's failed future, so the run's later
-requests are never held behind it (`reject`). A sampling request has no order to keep, so it is refused
-at once (4xx with a body). Database writes happen outside the service lock, which the engine worker
-takes to plan, so a slow database never stalls the engine. No tensors, no HTTP.
+loss, a feature this server lacks) is recorded as that seq_id's failed future (a `Submission` with its
+refusal), so the run's later requests are never held behind it. A sampling request has no order to keep,
+so it is refused at once (4xx with a body). Database writes happen outside the service lock, which the
+engine worker takes to plan, so a slow database never stalls the engine; `submit_many` writes a burst of
+submissions in one transaction. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -187,13 +188,6 @@ class TrainingService:
     def submit(self, tenant: str, run_id: str, seq_id: int, command: Command) -> FutureRecord:
         """Submit a command of an existing run; a resent (run, seq_id) returns its first future."""
         return _one(self.submit_many([Submission(tenant, run_id, seq_id, command.request_type, command)]))
-
-    def reject(
-        self, tenant: str, run_id: str, seq_id: int, request_type: str, error: UserError
-    ) -> FutureRecord:
-        """Record a request of `run_id` refused before it became a command (bad body, undecodable, not
-        supported here) as its seq_id's failed future, so the run's later requests go on."""
-        return _one(self.submit_many([Submission(tenant, run_id, seq_id, request_type, refusal=error)]))
 
     def submit_many(self, submissions: Sequence[Submission]) -> list[FutureRecord | Exception]:
         """Submit several requests at once, their new futures written in one database transaction: each
@@ -504,7 +498,7 @@ class TrainingService:
 @dataclass(frozen=True)
 class Submission:
     """A request of an existing run as the API hands it over: its command, or the refusal that kept it
-    from becoming one (recorded as its seq_id's failed future, see `TrainingService.reject`)."""
+    from becoming one (recorded as its seq_id's failed future, so the run's later requests go on)."""
 
     tenant: str
     run_id: str

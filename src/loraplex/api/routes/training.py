@@ -6,7 +6,7 @@ Every request that names a run's seq_id consumes it, whatever becomes of it: the
 its side and moves on even when a call fails, so a refusal that skipped the run's log would hold every
 later request of the run forever. Once a body yields its run and seq_id, any refusal (a field that
 fails validation, an undecodable tensor, a feature this server lacks) is recorded as that seq_id's
-failed future (`TrainingService.reject`) and answered like any submission; the SDK then raises the
+failed future (a `Submission` carrying the refusal) and answered like any submission; the SDK then raises the
 precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
 
 Submissions go to the service through the submission thread (submissions.py): their database writes
