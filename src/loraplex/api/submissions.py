@@ -32,7 +32,7 @@ from loraplex.runtime.service import Submission, TrainingService
 
 T = TypeVar("T")
 
-# The most submissions written in one transaction: bounds how long the first of a long burst waits.
+# The most submissions written in one transaction: bounds how long a long burst's requests wait for theirs.
 _MAX_GROUP = 64
 
 
