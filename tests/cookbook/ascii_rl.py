@@ -8,7 +8,7 @@ and runs against a server as they do:
 
 The environment asks for a plain-text reply; a completion's reward is the share of its `max_tokens`
 tokens that are ASCII bytes (ids 0-127 of the tiny model's byte tokenizer). A random tiny model starts
-near 0.25 (most of its 512 logits are not ASCII) and learns it in a few steps. Everything else (rollouts,
+near 0.25 (most of its 512 logits are not ASCII) and nears 1.0 in about 12 steps. Everything else (rollouts,
 group-centred advantages, provenance spans, the loss, optimizer steps, logging) is the cookbook's code,
 unmodified.
 """
@@ -109,7 +109,7 @@ class CLIConfig:
     model_name: str = "loraplex/tiny"
     # The tiny model's tokenizer is byte-level; role_colon renders plain "User: ...\n\nAssistant:" text.
     renderer_name: str = "role_colon"
-    steps: int = 8
+    steps: int = 12
     groups_per_batch: int = 4
     group_size: int = 16
     max_tokens: int = 8

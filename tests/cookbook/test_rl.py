@@ -15,12 +15,14 @@ from tinker_cookbook.rl.types import Trajectory, Transition
 from tests.cookbook.conftest import Cookbook, checkpoints, metric
 from tests.e2e.sdk import client
 
-STEPS = 8
+# Learning takes off after a few steps, at a pace that varies with the unseeded samples: 18 local runs
+# of 12 steps gained 0.72-0.75; 8 steps gained 0.16-0.65, too close to any margin that proves learning.
+STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def rl_run(cookbook: Cookbook, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The log directory of one 8-step run: 4 groups of 16 completions per step, 8 tokens each."""
+    """The log directory of one 12-step run: 4 groups of 16 completions per step, 8 tokens each."""
     log_path = tmp_path_factory.mktemp("rl") / "run"
     cookbook.run("tests.cookbook.ascii_rl", f"log_path={log_path}", f"steps={STEPS}")
     return log_path
@@ -30,9 +32,9 @@ def test_sync_rl_on_a_custom_env_raises_the_mean_reward(rl_run: Path) -> None:
     reward = metric(rl_run, "env/all/reward/total")
     assert sorted(reward) == list(range(STEPS))
     assert all(0.0 <= r <= 1.0 for r in reward.values())
-    # A random tiny model starts near 0.25 (most of its logits are not ASCII) and learns it in a few steps.
+    # A random tiny model starts near 0.25 (most of its logits are not ASCII) and nears 1.0 by step 11.
     first, last = (reward[0] + reward[1]) / 2, (reward[STEPS - 2] + reward[STEPS - 1]) / 2
-    assert last >= first + 0.25, reward
+    assert last >= first + 0.4, reward
 
 
 def test_the_samplers_logprobs_agree_with_the_learners(rl_run: Path) -> None:
