@@ -84,7 +84,7 @@ def _refusal(msg: Any) -> str:
 # --- tensors: declared shapes are checked before anything is decoded
 
 
-def test_a_sparse_shape_of_a_trillion_cells_is_refused_in_microseconds_without_allocating() -> None:
+def test_a_sparse_shape_of_a_trillion_cells_is_refused_at_once_without_allocating() -> None:
     bomb = _request({"target_tokens": _sparse([1, 10**12], [7], [0, 1], [5])})  # the 88-byte tensor
     tracemalloc.start()
     started = time.perf_counter()
@@ -97,7 +97,9 @@ def test_a_sparse_shape_of_a_trillion_cells_is_refused_in_microseconds_without_a
         f"{TARGETS}: shape [1, 1000000000000] is 1000000000000 wide; this server takes (N, K) inputs up to "
         "K = 128 (--max-target-width)"
     )
-    assert elapsed < 0.005 and peak < 64 * 1024
+    # It takes microseconds; the bound is loose so a busy CI host cannot fail it, and still far below any
+    # walk over the cells.
+    assert elapsed < 1.0 and peak < 64 * 1024
 
 
 def test_declared_values_past_the_request_token_limit_times_k_are_refused() -> None:
