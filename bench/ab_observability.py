@@ -24,8 +24,8 @@ from loraplex.api.request_log import RequestObserver
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import EngineUsage
 from loraplex.log_format import configure_logging
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.telemetry import Telemetry
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.observability.telemetry import Telemetry
 
 _SCOPE = {
     "type": "http",

@@ -13,7 +13,7 @@ import os
 if os.environ.get("LORAPLEX_OBSERVE_OFF") == "1":
     import starlette.applications
 
-    from loraplex.runtime import telemetry
+    from loraplex.runtime.observability import telemetry
 
     _add_middleware = starlette.applications.Starlette.add_middleware
 

@@ -13,8 +13,8 @@ Usage (repo root), alternating the arms:
 import os
 
 if os.environ.get("LORAPLEX_SUBMISSIONS_INLINE") == "1":
-    from loraplex.api.submissions import SubmissionThread
-    from loraplex.runtime.service import Submission
+    from loraplex.api.tinker.submissions import SubmissionThread
+    from loraplex.runtime.control.service import Submission
 
     async def _inline(self, work):  # type: ignore[no-untyped-def]
         if isinstance(work, Submission):

@@ -204,7 +204,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
 
     from loraplex.api.app import create_app
     from loraplex.model.hub_cache import offer_tokenizer
-    from loraplex.runtime.service import TrainingService
+    from loraplex.runtime.control.service import TrainingService
 
     configure_logging(config.log_format, config.log_level)
     lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
@@ -307,8 +307,8 @@ def _add_keys(subparsers: Any) -> None:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from loraplex.runtime import keys
-    from loraplex.runtime.store import Store
+    from loraplex.runtime.control import keys
+    from loraplex.runtime.control.store import Store
 
     config = config_from_args(args)
     config.data_dir.mkdir(parents=True, exist_ok=True)
@@ -360,9 +360,9 @@ def _add_gc(subparsers: Any) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from loraplex.runtime.checkpoints import DiskLayout
-    from loraplex.runtime.retention import Retention, RetentionPolicy
-    from loraplex.runtime.store import Store, utcnow
+    from loraplex.runtime.control.retention import Retention, RetentionPolicy
+    from loraplex.runtime.control.store import Store, utcnow
+    from loraplex.runtime.core.checkpoints import DiskLayout
 
     config = config_from_args(args)
     if not config.data_dir.is_dir():

@@ -9,7 +9,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
 from tinker.types._pydantic_types.tensor_data import TensorData as TensorDataModel
 
-from loraplex.api.codecs import (
+from loraplex.api.tinker.codecs import (
     encode_forward_backward_output,
     encode_sample_response,
     forward_backward_command,
@@ -17,8 +17,8 @@ from loraplex.api.codecs import (
     sample_response_json,
 )
 from loraplex.errors import UserError
-from loraplex.runtime.commands import ForwardBackward, PassResult
-from loraplex.runtime.sampling import SampledSequence, SampleResult
+from loraplex.runtime.core.commands import ForwardBackward, PassResult
+from loraplex.runtime.core.sampling import SampledSequence, SampleResult
 
 
 def decode_forward_backward(body: bytes) -> tuple[str, int, ForwardBackward]:

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from loraplex.api.app import create_app
 from loraplex.api.console.routes import COOKIE
 from loraplex.config import ServerConfig
-from loraplex.runtime.keys import ConsoleLogins, create_key, revoke_key
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import ConsoleLogins, create_key, revoke_key
+from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import _fb_body, _retrieve
 from tests.fakes import FakeEngine
 

@@ -30,7 +30,7 @@ from loraplex.config import ServerConfig
 from loraplex.engine.local import build_local_engine
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.service import TrainingService
 from tests.fakes import FakeEngine
 
 SEED = 1405
@@ -444,8 +444,8 @@ class _RefusingEngine(FakeEngine):
 
 
 def test_a_create_model_resent_after_its_creation_failed_answers_its_first_future(tmp_path: Path) -> None:
-    # Found by the fuzzer (seed 13): the resend reached runtime/service.py create_run, which inserted a
-    # second future row for (run, seq_id 0) and failed on its UNIQUE constraint (a 500).
+    # Found by the fuzzer (seed 13): the resend reached runtime/control/service.py create_run, which
+    # inserted a second future row for (run, seq_id 0) and failed on its UNIQUE constraint (a 500).
     config = ServerConfig(data_dir=tmp_path, long_poll_s=0.5)
     with TestClient(create_app(TrainingService.open(_RefusingEngine(), config))) as http:
         session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]

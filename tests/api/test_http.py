@@ -18,7 +18,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.service import TrainingService
 from tests.fakes import FakeEngine
 
 KEY = {"X-API-Key": "tml-local"}

@@ -24,15 +24,15 @@ from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.app import create_app
-from loraplex.api.codecs import (
+from loraplex.api.limits import DEFAULT_LIMITS, RequestLimits, limits_in_force
+from loraplex.api.tinker.codecs import (
     PayloadTooLargeError,
     decompress,
     forward_backward_command,
     json_safe,
     parse_forward_backward,
 )
-from loraplex.api.limits import DEFAULT_LIMITS, RequestLimits, limits_in_force
-from loraplex.api.wire import (
+from loraplex.api.tinker.wire import (
     AsampleRequest,
     CreateSessionRequest,
     SaveWeightsRequest,
@@ -41,7 +41,7 @@ from loraplex.api.wire import (
 )
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import KEY, _asample, _retrieve, _sampler
 from tests.fakes import FakeEngine
 

@@ -18,8 +18,8 @@ from loraplex.api.app import create_app
 from loraplex.api.metrics import DEVICE_MEMORY_METRICS
 from loraplex.config import ServerConfig
 from loraplex.log_format import JsonFormatter, TextFormatter
-from loraplex.runtime.keys import create_key
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.service import TrainingService
 from tests.fakes import FakeEngine
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.keys import create_key
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import _fb_body, _retrieve
 from tests.fakes import FakeEngine
 

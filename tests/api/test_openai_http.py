@@ -15,9 +15,9 @@ from fastapi.testclient import TestClient
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
 from loraplex.model.tiny import ensure_tiny_model
-from loraplex.runtime.inference import InferenceService
-from loraplex.runtime.keys import create_key
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.serving.inference import InferenceService
 from tests.api.test_no_sql_on_the_loop import _guard
 from tests.fakes import FakeEngine
 

@@ -15,7 +15,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import KEY, _fb_body, _retrieve, _run
 from tests.fakes import FakeEngine
 

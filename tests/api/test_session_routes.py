@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.keys import create_key
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.checkpoints import CheckpointPath
 from tests.fakes import FakeEngine
 
 

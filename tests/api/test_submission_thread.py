@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from loraplex.api.submissions import SubmissionThread
+from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.errors import ServerError, UserError
-from loraplex.runtime.futures import FutureRecord
-from loraplex.runtime.service import Submission
+from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.service import Submission
 
 
 class _Service:

@@ -22,8 +22,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.downloads import DownloadSigner
+from loraplex.runtime.control.downloads import DownloadSigner
+from loraplex.runtime.core.checkpoints import CheckpointPath
 from tests.e2e.conftest import REPO, Server
 from tests.e2e.sdk import PHRASE, client, create_key, logprobs, new_run, sft_steps
 

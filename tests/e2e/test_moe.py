@@ -16,7 +16,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from loraplex.model.tiny import ensure_tiny_model
-from loraplex.runtime.checkpoints import CheckpointPath, DiskLayout
+from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import PHRASE, client, new_run, sft_steps
 from tests.model.test_decoder_parity import save_random_hf_model

@@ -13,9 +13,9 @@ import pytest
 
 from loraplex.config import ServerConfig
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
-from loraplex.runtime.commands import CreateRun, ForwardBackward, OptimStep
-from loraplex.runtime.futures import FutureRecord
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.commands import CreateRun, ForwardBackward, OptimStep
 from tests.fakes import FakeEngine
 
 PHRASE = np.array([3, 17, 9, 41, 5, 22, 8], dtype=np.int64)

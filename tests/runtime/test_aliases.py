@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.aliases import ALIASES_FILE, AliasTable
+from loraplex.runtime.control.aliases import ALIASES_FILE, AliasTable
 
 PATH = "tinker://s1:train:0/sampler_weights/final"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.commands import CreateRunFromCheckpoint, SaveSnapshot, SaveState
-from loraplex.runtime.service import RESTART_ERROR
+from loraplex.runtime.control.service import RESTART_ERROR
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.commands import CreateRunFromCheckpoint, SaveSnapshot, SaveState
 from tests.fakes import FakeEngine
 from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
 

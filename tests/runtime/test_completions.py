@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from loraplex.errors import UserError
 from loraplex.model.tiny import ensure_tiny_model
-from loraplex.runtime.completions import to_choice, to_prompt, with_top
-from loraplex.runtime.sampling import SampledSequence, SampleResult
-from loraplex.runtime.text_codec import TextCodec
+from loraplex.runtime.core.sampling import SampledSequence, SampleResult
+from loraplex.runtime.serving.completions import to_choice, to_prompt, with_top
+from loraplex.runtime.serving.text_codec import TextCodec
 
 IM_START, IM_END = 257, 258  # the tiny tokenizer's chat tokens (model/tiny.py)
 

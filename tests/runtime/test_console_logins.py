@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 
 from loraplex.errors import AuthenticationError
-from loraplex.runtime.keys import LOCAL_TENANT, ConsoleLogins, Viewer, create_key, key_digest, list_keys
-from loraplex.runtime.store import Store
+from loraplex.runtime.control.keys import (
+    LOCAL_TENANT,
+    ConsoleLogins,
+    Viewer,
+    create_key,
+    key_digest,
+    list_keys,
+)
+from loraplex.runtime.control.store import Store
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import event
 
 from loraplex.errors import UserError
-from loraplex.runtime.futures import FutureTable
-from loraplex.runtime.store import Store
-from loraplex.runtime.store.schema import RunRow
+from loraplex.runtime.control.futures import FutureTable
+from loraplex.runtime.control.store import Store
+from loraplex.runtime.control.store.schema import RunRow
 
 
 def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ import pytest
 
 from loraplex.cli import main
 from loraplex.engine.types import LoraConfig
-from loraplex.runtime.checkpoints import DiskLayout
-from loraplex.runtime.history import MetricHistory
-from loraplex.runtime.retention import Retention, RetentionPolicy
-from loraplex.runtime.store import Store, utcnow
-from loraplex.runtime.store.schema import RunRow
+from loraplex.runtime.control.retention import Retention, RetentionPolicy
+from loraplex.runtime.control.store import Store, utcnow
+from loraplex.runtime.control.store.schema import RunRow
+from loraplex.runtime.core.checkpoints import DiskLayout
+from loraplex.runtime.observability.history import MetricHistory
 from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
 
 

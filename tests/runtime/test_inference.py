@@ -11,13 +11,13 @@ import pytest
 
 from loraplex.errors import UserError
 from loraplex.model.tiny import ensure_tiny_model
-from loraplex.runtime.aliases import AliasTable
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.commands import SaveSnapshot
-from loraplex.runtime.inference import Generation, InferenceService, ModelNotFoundError
-from loraplex.runtime.sampling import SampleRequest, SamplingParams
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.text_codec import TextCodec
+from loraplex.runtime.control.aliases import AliasTable
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.commands import SaveSnapshot
+from loraplex.runtime.core.sampling import SampleRequest, SamplingParams
+from loraplex.runtime.serving.inference import Generation, InferenceService, ModelNotFoundError
+from loraplex.runtime.serving.text_codec import TextCodec
 from tests.runtime.conftest import create_run, result_of
 
 PROMPT = [3, 17, 9, 41]  # ids the fake engine's 64-token vocabulary has

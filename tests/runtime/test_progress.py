@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.runtime.commands import SaveState
-from loraplex.runtime.progress import DONE, FAILED, RUNNING, ProgressBoard
+from loraplex.runtime.core.commands import SaveState
+from loraplex.runtime.observability.progress import DONE, FAILED, RUNNING, ProgressBoard
 from tests.runtime.conftest import create_run, result_of, train_steps
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from loraplex.engine.types import AdamParams, LoraConfig
-from loraplex.runtime import futures as futures_module
-from loraplex.runtime.commands import CreateRun, OptimStep
-from loraplex.runtime.futures import FutureRecord
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control import futures as futures_module
+from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.commands import CreateRun, OptimStep
 from tests.fakes import FakeEngine
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass
 

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from loraplex.runtime.sampling import SampledSequence, SampleResult
-from loraplex.runtime.store.results import decode_result, encode_result
+from loraplex.runtime.control.store.results import decode_result, encode_result
+from loraplex.runtime.core.sampling import SampledSequence, SampleResult
 
 
 def test_every_sample_output_reads_back_exactly_as_stored() -> None:

@@ -11,10 +11,10 @@ import pytest
 from loraplex.cli import main
 from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
 from loraplex.errors import NotFoundError
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.commands import LoadState, OptimStep, SaveSnapshot, SaveState
-from loraplex.runtime.store import utcnow
-from loraplex.runtime.store.schema import RunRow
+from loraplex.runtime.control.store import utcnow
+from loraplex.runtime.control.store.schema import RunRow
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.commands import LoadState, OptimStep, SaveSnapshot, SaveState
 from tests.runtime.conftest import PHRASE, create_run, result_of, sft_pass, train_steps
 
 SHORT = {"future_retention_s": 0.3, "snapshot_idle_s": 0.2, "retention_sweep_s": 0.05}

@@ -6,8 +6,8 @@ import pytest
 
 from loraplex.engine.types import AdamParams
 from loraplex.errors import UserError
-from loraplex.runtime.commands import OptimStep
-from loraplex.runtime.run_queue import Entry, RunQueue
+from loraplex.runtime.core.commands import OptimStep
+from loraplex.runtime.core.run_queue import Entry, RunQueue
 
 STEP = OptimStep(AdamParams())
 

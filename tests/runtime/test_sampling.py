@@ -10,10 +10,10 @@ import pytest
 
 from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.commands import OptimStep, SaveSnapshot, SaveState
-from loraplex.runtime.sampling import SamplingBackpressureError
-from loraplex.runtime.service import RESTART_ERROR
+from loraplex.runtime.control.service import RESTART_ERROR
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.commands import OptimStep, SaveSnapshot, SaveState
+from loraplex.runtime.core.sampling import SamplingBackpressureError
 from tests.fakes import FakeEngine
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass, train_steps
 

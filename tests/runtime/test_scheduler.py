@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from loraplex.engine.types import AdamParams, DatumInput
-from loraplex.runtime.commands import ForwardBackward, OptimStep, SaveState
-from loraplex.runtime.run_queue import PARKED, Entry, RunQueue, RunState
-from loraplex.runtime.scheduler import BarrierWork, Gathering, OptimWork, PassWork, Scheduler
+from loraplex.runtime.core.commands import ForwardBackward, OptimStep, SaveState
+from loraplex.runtime.core.run_queue import PARKED, Entry, RunQueue, RunState
+from loraplex.runtime.core.scheduler import BarrierWork, Gathering, OptimWork, PassWork, Scheduler
 
 
 def _pass(tokens: int) -> ForwardBackward:

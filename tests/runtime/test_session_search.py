@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.runtime.checkpoints import CheckpointPath
-from loraplex.runtime.commands import SaveState
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.session_search import SessionQuery, SessionSearch, SessionStatus, StatusFilter
-from loraplex.runtime.store import Store
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.session_search import SessionQuery, SessionSearch, SessionStatus, StatusFilter
+from loraplex.runtime.control.store import Store
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.commands import SaveState
 from tests.e2e.postgres import create_database
 from tests.runtime.conftest import create_run, result_of
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.service import Submission, TrainingService
+from loraplex.runtime.control.service import Submission, TrainingService
 from tests.runtime.conftest import create_run, held, result_of, sft_pass, train_steps
 
 

@@ -7,9 +7,9 @@ import pytest
 
 from loraplex.engine.types import AdamParams
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.commands import OptimStep
-from loraplex.runtime.futures import FutureRecord
-from loraplex.runtime.service import Submission, TrainingService
+from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.service import Submission, TrainingService
+from loraplex.runtime.core.commands import OptimStep
 from tests.runtime.conftest import create_run, result_of, sft_pass
 
 

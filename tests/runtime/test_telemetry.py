@@ -10,9 +10,9 @@ import pytest
 
 from loraplex.engine.interface import EngineUsage
 from loraplex.engine.types import AdamParams
-from loraplex.runtime.commands import OptimStep
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.telemetry import QUEUE_KINDS, Occupancy, Telemetry
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.commands import OptimStep
+from loraplex.runtime.observability.telemetry import QUEUE_KINDS, Occupancy, Telemetry
 from tests.fakes import FakeEngine
 from tests.runtime.conftest import create_run, held, result_of, sft_pass
 
@@ -157,7 +157,7 @@ def test_the_engine_loop_summarises_each_busy_cycle_at_debug_level(
 ) -> None:
     service = service_factory()
     run_id = create_run(service)
-    with caplog.at_level(logging.DEBUG, logger="loraplex.runtime.engine_loop"):
+    with caplog.at_level(logging.DEBUG, logger="loraplex.runtime.core.engine_loop"):
         assert result_of(service, service.submit("local", run_id, 1, sft_pass())).status == "complete"
         deadline = time.monotonic() + 10  # the cycle logs after it has finished its futures
         while not [r for r in caplog.records if "work PassWork of 1," in r.getMessage()]:

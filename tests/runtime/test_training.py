@@ -7,7 +7,7 @@ import pytest
 
 from loraplex.engine.types import AdamParams, DatumInput
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.commands import ForwardBackward, OptimStep
+from loraplex.runtime.core.commands import ForwardBackward, OptimStep
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, rl_pass, sft_pass, train_steps
 
 

@@ -24,21 +24,21 @@ from loraplex.api.metrics import Metrics
 from loraplex.api.metrics import router as metrics_router
 from loraplex.api.openai.app import create_openai_app
 from loraplex.api.request_log import RequestObserver
-from loraplex.api.routes import (
+from loraplex.api.tinker import (
     downloads,
     futures,
     rest,
     sampling,
-    service,
+    server,
     sessions,
     sharing,
     training,
     unsupported,
 )
-from loraplex.api.submissions import SubmissionThread
-from loraplex.api.wire import describe_errors
+from loraplex.api.tinker.submissions import SubmissionThread
+from loraplex.api.tinker.wire import describe_errors
 from loraplex.errors import CapacityError, LoraplexError, UserError
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.service import TrainingService
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     # FastAPI tries routes in the order they were added, a regex each, twice per request: the routes of
     # every training step (retrieve_future, then forward_backward and optim_step) come first.
     # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
-    for module in (futures, training, service, sampling, downloads, sharing, sessions, unsupported, rest):
+    for module in (futures, training, server, sampling, downloads, sharing, sessions, unsupported, rest):
         app.include_router(module.router, prefix="/api/v1")
     app.include_router(unsupported.fallback, prefix="/api/v1")
     app.include_router(metrics_router)

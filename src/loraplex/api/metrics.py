@@ -28,8 +28,8 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import AuthenticationError
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.telemetry import HistogramSnapshot, ServerSnapshot
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.observability.telemetry import HistogramSnapshot, ServerSnapshot
 
 router = APIRouter()
 

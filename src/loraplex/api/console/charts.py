@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from markupsafe import Markup, escape
 
-from loraplex.runtime.history import MetricSeries
+from loraplex.runtime.observability.history import MetricSeries
 
 WIDTH, HEIGHT = 640, 220
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 12, 12, 28  # margins around the plot area, in SVG units

@@ -15,7 +15,7 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
 from loraplex.api.console.charts import line_chart
-from loraplex.runtime.keys import Viewer
+from loraplex.runtime.control.keys import Viewer
 
 HERE = Path(__file__).parent
 # Pages of the navigation: (path under /console, title).

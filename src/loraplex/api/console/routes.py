@@ -1,11 +1,12 @@
 """Routes of the web console under /console: sign-in and sign-out, the pages, and their two static files.
 
 Signing in posts an API key once, in a form body (never in a URL), and trades it for a random token
-(runtime/keys.py ConsoleLogins) that the browser keeps in an HttpOnly, SameSite=Strict cookie scoped to
-/console. A page without a valid cookie redirects to the sign-in form; its live refresh (`?fragment=1`)
-answers 401. Each page's data comes from the runtime's Console (runtime/console.py) and is read and
-rendered on a worker thread, so the event loop never waits on the database. Pages carry a strict
-Content-Security-Policy: script and styles from /console/static only, nothing inline. No tensors, no SQL.
+(runtime/control/keys.py ConsoleLogins) that the browser keeps in an HttpOnly, SameSite=Strict cookie
+scoped to /console. A page without a valid cookie redirects to the sign-in form; its live refresh
+(`?fragment=1`) answers 401. Each page's data comes from the runtime's Console
+(runtime/observability/console.py) and is read and rendered on a worker thread, so the event loop never
+waits on the database. Pages carry a strict Content-Security-Policy: script and styles from
+/console/static only, nothing inline. No tensors, no SQL.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.console.pages import HERE, render_fragment, render_login, render_page
 from loraplex.errors import AuthenticationError, NotFoundError
-from loraplex.runtime.console import PAGE_ROWS
-from loraplex.runtime.keys import Viewer
-from loraplex.runtime.service import TrainingService
+from loraplex.runtime.control.keys import Viewer
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.observability.console import PAGE_ROWS
 
 router = APIRouter(prefix="/console")
 

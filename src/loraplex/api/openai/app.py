@@ -7,10 +7,10 @@ from fastapi import FastAPI
 
 from loraplex.api.openai.errors import install_error_handlers
 from loraplex.api.openai.routes import router
-from loraplex.runtime.aliases import AliasTable
-from loraplex.runtime.inference import InferenceService
-from loraplex.runtime.service import TrainingService
-from loraplex.runtime.text_codec import TextCodec
+from loraplex.runtime.control.aliases import AliasTable
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.serving.inference import InferenceService
+from loraplex.runtime.serving.text_codec import TextCodec
 
 
 def create_openai_app(service: TrainingService) -> FastAPI:

@@ -11,7 +11,7 @@ from fastapi import Depends, Header, Request
 
 from loraplex.api.request_log import note_request
 from loraplex.errors import AuthenticationError
-from loraplex.runtime.inference import InferenceService
+from loraplex.runtime.serving.inference import InferenceService
 
 _BEARER = "bearer "
 

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from loraplex.api.errors import status_of
 from loraplex.errors import AuthenticationError, CapacityError, LoraplexError, UserError
-from loraplex.runtime.inference import ModelNotFoundError
+from loraplex.runtime.serving.inference import ModelNotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from loraplex.runtime.completions import Choice, Completion, ScoredToken
+from loraplex.runtime.serving.completions import Choice, Completion, ScoredToken
 
 
 @dataclass(frozen=True)

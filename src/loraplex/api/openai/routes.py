@@ -18,7 +18,7 @@ from loraplex.api.openai.responses import (
     sse,
 )
 from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
-from loraplex.runtime.inference import ModelCard
+from loraplex.runtime.serving.inference import ModelCard
 
 router = APIRouter()
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from loraplex.runtime.inference import Generation
-from loraplex.runtime.sampling import SamplingParams
-from loraplex.runtime.text_codec import TextCodec
+from loraplex.runtime.core.sampling import SamplingParams
+from loraplex.runtime.serving.inference import Generation
+from loraplex.runtime.serving.text_codec import TextCodec
 
 MAX_TOP_LOGPROBS = 20  # as vLLM; OpenAI allows 5 (completions) and 20 (chat)
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions

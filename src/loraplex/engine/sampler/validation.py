@@ -124,7 +124,7 @@ def _check_width(field: str, k: int, vocab_size: int, cap: int | None, flag: str
 
 def _check_target_ids(ids: np.ndarray, prompt_length: int, vocab_size: int) -> None:
     """target_prompt_logprobs: one row per prompt position after the first, at least one id, every id in
-    the vocabulary or -1. Its width is the API's to bound, before the ids are decoded (api/wire.py)."""
+    the vocabulary or -1. Its width is the API's to bound, before the ids are decoded (api/tinker/wire.py)."""
     field = "target_prompt_logprobs"
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):

@@ -1,1 +1,0 @@
-"""Route modules, one per verb family of the Tinker protocol. Handlers read, validate, submit, answer."""

@@ -1,0 +1,358 @@
+"""Protobuf codecs: forward_backward request bytes (maybe zstd) -> ForwardBackward command; PassResult ->
+ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON forms.
+
+Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
+buffers. A body's declared sizes are checked against the request limits (api/limits.py) before anything
+is decompressed or densified. numpy only, no tensors; shape checks against the model are the engine's
+(validate_pass_request).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import zstandard
+from google.protobuf.message import DecodeError
+from tinker.proto import tinker_public_pb2 as pb
+
+from loraplex.api.limits import MIB, RequestLimits, current_limits
+from loraplex.api.tinker.sparse import csr_problem, densify, to_csr
+from loraplex.errors import UserError
+from loraplex.runtime.core.commands import DatumInput, ForwardBackward, PassResult
+from loraplex.runtime.core.sampling import SampleResult
+
+# Only api/tinker/training.py's Content-Length pre-check reads this; the limits in force (BodyLimit, and
+# decompress below) are lower.
+_DECOMPRESS_PIECE_BYTES = MIB
+
+_DTYPES: dict[int, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+}
+_PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
+_STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# What an unscored top-k cell reads as on the wire (docs/PROTOCOL.md §7.3).
+_TOPK_EMPTY_ID, _TOPK_EMPTY_LOGPROB = 0, -99999.0
+
+
+class PayloadTooLargeError(UserError):
+    """The request body exceeds what the server accepts (413)."""
+
+    status_code = 413
+
+
+def decompress(body: bytes, content_encoding: str | None) -> bytes:
+    """Undo Content-Encoding: zstd. A body that would decompress past the forward body limit is refused
+    (413) by its frame header when that declares the size, else once that many bytes came out."""
+    if not content_encoding or content_encoding == "identity":
+        return body
+    if content_encoding != "zstd":
+        raise UserError(f"unsupported Content-Encoding {content_encoding!r}; use zstd or none")
+    limit = current_limits().max_forward_body_bytes
+    too_large = PayloadTooLargeError(
+        f"zstd body decompresses to over {limit} bytes, the limit of forward_backward bodies on this "
+        "server (set by --max-tokens-per-datum and --max-target-width)"
+    )
+    pieces, size = [], 0
+    try:
+        if zstandard.frame_content_size(body) > limit:  # -1 when the frame does not declare it
+            raise too_large
+        with zstandard.ZstdDecompressor().stream_reader(body) as reader:
+            while piece := reader.read(_DECOMPRESS_PIECE_BYTES):
+                size += len(piece)
+                if size > limit:
+                    raise too_large
+                pieces.append(piece)
+    except zstandard.ZstdError as exc:
+        raise UserError(f"corrupt zstd body: {exc}") from exc
+    return b"".join(pieces)
+
+
+def parse_forward_backward(body: bytes) -> Any:
+    """The ForwardBackwardRequest message of a body (UserError if it is not one); its model_id and seq_id
+    are known from here on, so what `forward_backward_command` refuses can be recorded against them."""
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except DecodeError as exc:
+        raise UserError(f"body is not a tinker_public.ForwardBackwardRequest protobuf: {exc}") from exc
+    return msg
+
+
+def forward_backward_command(msg: Any) -> ForwardBackward:
+    """The command a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
+    _check_declared_shapes(msg, current_limits())
+    datums = [_datum(i, d) for i, d in enumerate(msg.data)]
+    return ForwardBackward(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
+
+
+def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
+    """Refuse, from the declared shapes alone, tensors that would take more memory to decode than the
+    limits allow: a sparse tensor's shape costs a few bytes on the wire whatever it declares. Sizes are
+    Python ints, which a huge shape cannot wrap around as numpy's int64 product can."""
+    total = 0
+    for index, datum in enumerate(msg.data):
+        for key, tensor in datum.loss_fn_inputs.items():
+            where, shape = f"datum {index}: loss_fn_inputs[{key!r}]", list(tensor.shape)
+            if len(shape) > 2 or min(shape, default=0) < 0:
+                raise UserError(f"{where}: shape {shape} is not (N,) or (N, K) with sizes >= 0")
+            if len(shape) == 2 and shape[1] > limits.max_target_width:
+                raise UserError(
+                    f"{where}: shape {shape} is {shape[1]} wide; this server takes (N, K) inputs up to "
+                    f"K = {limits.max_target_width} (--max-target-width)"
+                )
+            total += math.prod(shape)
+            if total > limits.max_decoded_values:
+                raise UserError(
+                    f"{where}: shape {shape} takes the request's loss_fn_inputs to {total} values, over the "
+                    f"{limits.max_decoded_values} this server decodes per request "
+                    "(--max-tokens-per-request × --max-target-width)"
+                )
+
+
+def _loss_config(msg: Any) -> dict[str, float]:
+    if not msg.loss_fn_config_v2:
+        return dict(msg.loss_fn_config)
+    config = {}
+    for key, value in msg.loss_fn_config_v2.items():
+        if value.WhichOneof("value") != "number":
+            raise UserError(
+                f"loss_fn_config[{key!r}] must be a number (server-side custom losses are not supported)"
+            )
+        config[key] = value.number
+    return config
+
+
+def _datum(index: int, datum: Any) -> DatumInput:
+    pieces = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise UserError(f"datum {index}: {kind} chunks are not supported; send encoded_text tokens")
+        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.encoded_text.tokens, np.dtype("<i4")))
+    tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
+    inputs = {
+        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t) for key, t in datum.loss_fn_inputs.items()
+    }
+    return DatumInput(tokens, inputs)
+
+
+def _tensor(where: str, msg: Any) -> np.ndarray:
+    dtype = _DTYPES.get(msg.dtype)
+    if dtype is None:
+        name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
+        raise UserError(f"{where}: unsupported dtype {name}; use float32 or int64")
+    if msg.HasField("sparse_csr"):
+        return _densify(where, msg, dtype)
+    data = _frombuffer(where, msg.dense, dtype)
+    shape = list(msg.shape) or [data.size]
+    if math.prod(shape) != data.size:
+        raise UserError(f"{where}: shape {shape} does not match its {data.size} values")
+    return data.reshape(shape)
+
+
+def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
+    """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0, once its
+    structure is whole: a broken one would drop values or misplace them without an error."""
+    shape = list(msg.shape)
+    if len(shape) != 2:
+        raise UserError(f"{where}: a sparse CSR tensor is 2-D, got shape {shape}")
+    values = _frombuffer(where, msg.sparse_csr.values, dtype)
+    crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
+    cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
+    problem = csr_problem(shape, len(values), crow, cols)
+    if problem is not None:
+        raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
+    return densify(shape, values, crow, cols, fill=0)
+
+
+def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
+
+
+def encode_forward_backward_output(result: PassResult) -> bytes:
+    """A ForwardBackwardOutput: one ArrayRecord per run of datums whose fields share trailing shapes."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=result.metrics)
+    groups: list[list[dict[str, np.ndarray]]] = []
+    for output in result.outputs:
+        if groups and _layout(groups[-1][0]) == _layout(output):
+            groups[-1].append(output)
+        else:
+            groups.append([output])
+    for group in groups:
+        record = msg.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(group))
+        for name in group[0]:
+            arrays = [_wire_array(out[name]) for out in group]
+            field = record.fields[name]
+            field.data = b"".join(a.tobytes() for a in arrays)
+            field.offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64).tobytes()
+            field.dtype = _PROTO_DTYPES[arrays[0].dtype]
+            field.trailing_shape.extend(arrays[0].shape[1:])
+    return msg.SerializeToString()
+
+
+def _wire_array(array: np.ndarray) -> np.ndarray:
+    """Floats go out as float32 and integers as int64, the public wire dtypes."""
+    return np.ascontiguousarray(array, dtype=np.float32 if array.dtype.kind == "f" else np.int64)
+
+
+def _layout(output: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(output.items()))
+
+
+def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
+    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl)."""
+    outputs = [
+        {
+            k: {
+                "data": v.ravel().tolist(),
+                "dtype": "int64" if v.dtype.kind == "i" else "float32",
+                "shape": list(v.shape),
+            }
+            for k, v in out.items()
+        }
+        for out in result.outputs
+    ]
+    return json_safe(
+        {"loss_fn_output_type": "ArrayRecord", "loss_fn_outputs": outputs, "metrics": result.metrics}
+    )
+
+
+def encode_sample_response(result: SampleResult) -> bytes:
+    """A SampleResponse: int32 tokens and float32 logprobs per sequence, and their top-k when asked; prompt
+    scores, named ids' logprobs and prompt draws when asked."""
+    msg = pb.SampleResponse()
+    for sequence in result.sequences:
+        wire = msg.sequences.add(
+            stop_reason=_STOP_REASONS[sequence.stop_reason],
+            tokens=np.ascontiguousarray(sequence.tokens, "<i4").tobytes(),
+            logprobs=np.ascontiguousarray(sequence.logprobs, "<f4").tobytes(),
+        )
+        if sequence.topk_ids is not None and sequence.topk_logprobs is not None:
+            wire.topk_sampled_logprobs.CopyFrom(_topk_message(sequence.topk_ids, sequence.topk_logprobs))
+    if result.prompt_logprobs is not None:
+        msg.prompt_logprobs = np.ascontiguousarray(result.prompt_logprobs, "<f4").tobytes()
+    if result.topk_prompt_ids is not None and result.topk_prompt_logprobs is not None:
+        msg.topk_prompt_logprobs.CopyFrom(_topk_message(result.topk_prompt_ids, result.topk_prompt_logprobs))
+    if result.target_prompt_logprobs is not None:
+        msg.target_prompt_logprobs.CopyFrom(
+            _target_message(result.target_prompt_logprobs, result.target_prompt_is_sparse)
+        )
+    if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
+        msg.prompt_alt_tokens.CopyFrom(
+            pb.PromptAltTokens(
+                tokens=_dense_message(result.prompt_alt_ids),
+                logprobs=_dense_message(result.prompt_alt_logprobs),
+            )
+        )
+    return msg.SerializeToString()
+
+
+def _topk_message(ids_NK: np.ndarray, logprobs_NK: np.ndarray) -> Any:
+    """A TopkLogprobs; unscored cells (id -1, logprob NaN) become the wire's sentinel (id 0, -99999)."""
+    empty = ids_NK < 0
+    ids = np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_ID, ids_NK), "<i4")
+    logprobs = np.ascontiguousarray(np.where(empty, _TOPK_EMPTY_LOGPROB, logprobs_NK), "<f4")
+    length, k = ids.shape
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=length)
+
+
+def _dense_message(array: np.ndarray) -> Any:
+    """A dense Tensor in a public wire dtype (float32 or int64)."""
+    array = _wire_array(array)
+    return pb.Tensor(dense=array.tobytes(), dtype=_PROTO_DTYPES[array.dtype], shape=array.shape)
+
+
+def _target_message(logprobs_RT: np.ndarray, is_sparse: bool) -> Any:
+    """The logprobs of target_prompt_logprobs in the request's layout: 0.0 where it named -1 (NaN here), or,
+    for a sparse request, only the cells that named an id."""
+    is_named_RT = ~np.isnan(logprobs_RT)
+    if not is_sparse:
+        return _dense_message(np.where(is_named_RT, logprobs_RT, 0.0))
+    crow, cols = to_csr(is_named_RT)
+    csr = pb.SparseCsr(
+        values=_wire_array(logprobs_RT[is_named_RT]).tobytes(),
+        crow_indices=crow.tobytes(),
+        col_indices=cols.tobytes(),
+    )
+    return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=logprobs_RT.shape)
+
+
+def sample_response_json(result: SampleResult) -> dict[str, Any]:
+    """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl: top-k
+    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData."""
+    sequences = [
+        {
+            "stop_reason": s.stop_reason,
+            "tokens": s.tokens.tolist(),
+            "logprobs": s.logprobs.tolist(),
+            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs),
+        }
+        for s in result.sequences
+    ]
+    alt = None
+    if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
+        alt = {
+            "tokens": _tensor_json(result.prompt_alt_ids),
+            "logprobs": _tensor_json(result.prompt_alt_logprobs),
+        }
+    target = None
+    if result.target_prompt_logprobs is not None:
+        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse)
+    return json_safe(
+        {
+            "type": "sample",
+            "sequences": sequences,
+            "prompt_logprobs": None if result.prompt_logprobs is None else result.prompt_logprobs.tolist(),
+            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs),
+            "target_prompt_logprobs": target,
+            "prompt_alt_tokens": alt,
+        }
+    )
+
+
+def _topk_json(ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None) -> list[Any] | None:
+    """Per position, its scored [id, logprob] pairs, or None where none was scored."""
+    if ids_NK is None or logprobs_NK is None:
+        return None
+    return [
+        [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
+        for ids, lps in zip(ids_NK, logprobs_NK, strict=True)
+    ]
+
+
+def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+    """A dense TensorData."""
+    array = _wire_array(array)
+    return {"data": array.ravel().tolist(), "dtype": array.dtype.name, "shape": list(array.shape)}
+
+
+def _target_json(logprobs_RT: np.ndarray, is_sparse: bool) -> dict[str, Any]:
+    """target_prompt_logprobs as TensorData, in the request's layout (see _target_message)."""
+    is_named_RT = ~np.isnan(logprobs_RT)
+    if not is_sparse:
+        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0))
+    crow, cols = to_csr(is_named_RT)
+    return {
+        **_tensor_json(logprobs_RT[is_named_RT]),
+        "shape": list(logprobs_RT.shape),
+        "sparse_crow_indices": crow.tolist(),
+        "sparse_col_indices": cols.tolist(),
+    }
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every NaN and infinity as None: JSON has neither, and a result may hold them (an
+    unscored prompt position, a step skipped for a non-finite gradient norm)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value

@@ -1,0 +1,69 @@
+"""Service and session routes: client config, health, capabilities, telemetry, sessions and heartbeats.
+
+Handlers that read or write the database are plain `def`: FastAPI runs them on its worker threads, never
+on the event loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
+
+router = APIRouter()
+
+# Feature flags for the SDK (docs/PROTOCOL.md §6.1). Chunks are submitted in parallel (the run
+# queue reorders them); every optional flag stays off.
+CLIENT_CONFIG: dict[str, Any] = {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False}
+
+
+@router.post("/client/config")
+async def client_config() -> dict[str, Any]:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config() -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(service: Service) -> dict[str, Any]:
+    info = service.info
+    model = {
+        "model_name": info.model_name,
+        "max_context_length": info.max_context_length,
+        "trainable": True,
+        "sampleable": True,
+    }
+    return {"supported_models": [model]}
+
+
+@router.post("/telemetry")
+async def telemetry(_tenant: Tenant) -> dict[str, str]:
+    return {"status": "accepted"}
+
+
+@router.post("/create_session")
+def create_session(body: CreateSessionRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    session_id = service.sessions.create(tenant, body.user_metadata, body.display_name)
+    return {"session_id": session_id, "type": "create_session"}
+
+
+@router.post("/session_heartbeat")
+def heartbeat(body: SessionRequest, service: Service, tenant: Tenant) -> dict[str, str]:
+    service.sessions.heartbeat(body.session_id, tenant)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+def finish(session_id: str, body: FinishRequest, service: Service, tenant: Tenant) -> dict[str, str]:
+    service.sessions.finish(session_id, tenant, body.reason.type)
+    return {"status": "finished"}

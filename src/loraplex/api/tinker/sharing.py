@@ -1,0 +1,42 @@
+"""REST routes of RestClient over what a tenant owns: publish/unpublish and the TTL of a checkpoint. All
+owner-checked; a published checkpoint is readable (loadable, sampleable) by every tenant of this server, and
+stays writable (TTL, publish, delete) by its owner alone.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.wire import TtlSeconds, WireModel
+from loraplex.runtime.core.checkpoints import CheckpointPath
+
+router = APIRouter()
+
+_CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
+
+
+class SetTtlRequest(WireModel):
+    ttl_seconds: TtlSeconds | None
+
+
+def _path(run_id: str, kind: str, name: str) -> CheckpointPath:
+    return CheckpointPath.parse(f"tinker://{run_id}/{kind}/{name}")
+
+
+@router.post(f"{_CHECKPOINT}/publish")
+async def publish(run_id: str, kind: str, name: str, service: Service, tenant: Tenant) -> None:
+    await run_in_threadpool(service.catalog.set_public, tenant, _path(run_id, kind, name), True)
+
+
+@router.delete(f"{_CHECKPOINT}/publish")
+async def unpublish(run_id: str, kind: str, name: str, service: Service, tenant: Tenant) -> None:
+    await run_in_threadpool(service.catalog.set_public, tenant, _path(run_id, kind, name), False)
+
+
+@router.put(f"{_CHECKPOINT}/ttl")
+async def set_ttl(
+    run_id: str, kind: str, name: str, body: SetTtlRequest, service: Service, tenant: Tenant
+) -> None:
+    await run_in_threadpool(service.catalog.set_ttl, tenant, _path(run_id, kind, name), body.ttl_seconds)

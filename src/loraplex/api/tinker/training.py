@@ -1,0 +1,205 @@
+"""Training routes: create_model, load_weights, get_info, forward(_backward), optim_step, the saves.
+
+Each submission answers at once with an UntypedAPIFuture; the result comes from retrieve_future.
+
+Every request that names a run's seq_id consumes it, whatever becomes of it: the SDK counts seq_ids on
+its side and moves on even when a call fails, so a refusal that skipped the run's log would hold every
+later request of the run forever. Once a body yields its run and seq_id, any refusal (a field that
+fails validation, an undecodable tensor, a feature this server lacks) is recorded as that seq_id's
+failed future (a `Submission` carrying the refusal) and answered like any submission; the SDK then raises the
+precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
+
+Submissions go to the service through the submission thread (submissions.py): their database writes
+never block the event loop, and a burst of them is written in one transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ValidationError
+
+from loraplex.api.request_log import note_request
+from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.codecs import (
+    decompress,
+    forward_backward_command,
+    parse_forward_backward,
+)
+from loraplex.api.tinker.submissions import SubmissionThread
+from loraplex.api.tinker.wire import (
+    CreateModelRequest,
+    LoadWeightsRequest,
+    ModelRequest,
+    OptimStepRequest,
+    SaveWeightsExternalRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    describe_errors,
+    lora_info_json,
+)
+from loraplex.errors import UserError
+from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.service import Submission
+from loraplex.runtime.core.commands import Command
+
+router = APIRouter()
+
+
+class UnprocessableBodyError(UserError):
+    """A JSON body that cannot be read as the route's request, nor as far as its run and seq_id (422)."""
+
+    status_code = 422
+
+
+def _submissions(request: Request) -> SubmissionThread:
+    return request.app.state.submissions
+
+
+def _future(record: FutureRecord, model_id: str, seq_id: int | None = None) -> dict[str, Any]:
+    note_request(run_id=model_id, seq_id=seq_id, future_id=record.id)
+    return {"request_id": record.id, "model_id": model_id}
+
+
+def _json_route(wire: type[BaseModel]) -> dict[str, Any]:
+    """Route options that document a body the handler reads itself (so it can account for its seq_id)."""
+    schema = wire.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {
+        "openapi_extra": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
+        }
+    }
+
+
+async def _submit_ordered(
+    request: Request,
+    tenant: str,
+    wire: type[BaseModel],
+    request_type: str,
+    to_command: Callable[[Any], Command],
+) -> dict[str, Any]:
+    """Validate a JSON body into its command and submit it; a refusal becomes its seq_id's failed future."""
+    raw = await request.body()
+    try:
+        body = wire.model_validate_json(raw)
+        command = to_command(body)
+    except (ValidationError, UserError) as error:
+        refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
+        model_id, seq_id = _run_and_seq_id(raw, refusal)
+        submission = Submission(tenant, model_id, seq_id, request_type, refusal=refusal)
+    else:
+        model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
+        submission = Submission(tenant, model_id, seq_id, command.request_type, command)
+    return _future(await _submissions(request).submit(submission), model_id, seq_id)
+
+
+def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
+    """The model_id and seq_id of a refused body, read leniently; without both, the refusal is a 422."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    model_id = data.get("model_id") if isinstance(data, dict) else None
+    seq_id = data.get("seq_id") if isinstance(data, dict) else None
+    if not isinstance(model_id, str) or isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        raise UnprocessableBodyError(str(refusal))
+    return model_id, seq_id
+
+
+@router.post("/create_model")
+def create_model(body: CreateModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    record = service.create_run(tenant, body.session_id, body.model_seq_id, body.to_command())
+    return _future(record, f"{body.session_id}:train:{body.model_seq_id}", 0)
+
+
+@router.post("/load_weights", **_json_route(LoadWeightsRequest))
+async def load_weights(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    """Create-via-load (session_id + model_seq_id: a new run) or the legacy in-place load (model_id +
+    seq_id)."""
+    try:
+        body: LoadWeightsRequest | None = LoadWeightsRequest.model_validate_json(await request.body())
+    except ValidationError:
+        body = None  # refused below, as the in-place load it names (or a 422 if it names no run)
+    if body is not None and body.session_id is not None and body.model_seq_id is not None:
+        command = body.to_command()
+        record = await _submissions(request).call(
+            service.create_run, tenant, body.session_id, body.model_seq_id, command
+        )
+        return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
+
+    def in_place(body: LoadWeightsRequest) -> Command:
+        if body.model_id is None or body.seq_id is None:
+            raise UserError(
+                "load_weights needs session_id + model_seq_id (new run) or model_id + seq_id (in place)"
+            )
+        return body.to_command()
+
+    return await _submit_ordered(request, tenant, LoadWeightsRequest, "LoadWeights", in_place)
+
+
+@router.post("/get_info")
+async def get_info(body: ModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
+    run, info = service.run_state(tenant, body.model_id), service.info
+    model_data = {
+        "arch": info.arch,
+        "model_name": info.model_name,
+        "tokenizer_id": info.tokenizer_dir or None,
+    }
+    assert run.lora_config is not None
+    return {
+        "type": "get_info",
+        "model_id": run.run_id,
+        "model_data": model_data,
+        "model_name": info.model_name,
+        **lora_info_json(run.lora_config),
+    }
+
+
+@router.post("/forward_backward")
+@router.post("/forward")
+async def forward_backward(request: Request, tenant: Tenant) -> dict[str, Any]:
+    """forward and forward_backward share this handler: the proto's forward_only says which."""
+    body = decompress(await request.body(), request.headers.get("content-encoding"))
+    msg = parse_forward_backward(body)
+    model_id, seq_id = msg.model_id, msg.seq_id
+    try:
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", forward_backward_command(msg))
+    except UserError as refusal:
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", refusal=refusal)
+    return _future(await _submissions(request).submit(submission), model_id, seq_id)
+
+
+@router.post("/optim_step", **_json_route(OptimStepRequest))
+async def optim_step(request: Request, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(request, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command)
+
+
+@router.post("/save_weights", **_json_route(SaveWeightsRequest))
+async def save_weights(request: Request, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(
+        request, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
+    )
+
+
+@router.post("/save_weights_for_sampler", **_json_route(SaveWeightsForSamplerRequest))
+async def save_weights_for_sampler(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+    def to_command(body: SaveWeightsForSamplerRequest) -> Command:
+        return body.to_command(service.run_state(tenant, body.model_id).session_id)
+
+    return await _submit_ordered(
+        request, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
+    )
+
+
+@router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
+async def save_weights_external(request: Request, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(
+        request,
+        tenant,
+        SaveWeightsExternalRequest,
+        "SaveWeightsExternal",
+        SaveWeightsExternalRequest.to_command,
+    )

@@ -1,0 +1,149 @@
+"""Retention: what the server keeps, and for how long, so that nothing it stores grows without bound.
+
+- Finished futures are kept `future_retention_s` after they finished, then deleted; retrieving one
+  afterwards is a 404 that says results are kept that long.
+- A sampler goes once no client can reach it: its session finished, or its session stopped heartbeating
+  and the sampler has not been used for `session_timeout_s`. A sampler with weights of its own (the
+  unnamed snapshot behind save_weights_and_get_sampling_client, one per RL step, or the export made for
+  a sampler over a training checkpoint) also goes, with those weights, once unused for
+  `snapshot_idle_s`. Samplers over named checkpoints or the base model cost a row and stay while their
+  session lives.
+- Named checkpoints saved with a TTL (or given one later) are deleted once it runs out.
+- A run's metric history (runtime/observability/history.py: one record per forward_backward, forward or
+  optim_step) keeps its newest `max_metrics_per_run` records, and goes whole once the run has not been
+  used for `metric_retention_s`.
+- Nothing that a queued or running request reads is deleted: the caller passes those directories as
+  `in_use`, and the sweep runs on the engine worker's thread, between the cycles that read them.
+
+`Retention.due` says what would go (loraplex doctor prints it); `sweep` removes it. No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from loraplex.runtime.control.store import Store, as_utc
+from loraplex.runtime.control.store.schema import SamplerRow, SessionRow
+from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How long things are kept (seconds)."""
+
+    future_retention_s: float
+    snapshot_idle_s: float
+    session_timeout_s: float
+    metric_retention_s: float = 2_592_000.0
+    max_metrics_per_run: int = 100_000
+
+
+@dataclass
+class Removal:
+    """What one sweep removes (or, from `due`, would remove)."""
+
+    futures: int = 0
+    metrics: int = 0  # metric history records
+    checkpoints: list[CheckpointPath] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)  # sampler ids; their own weight directories go too
+    directories: list[Path] = field(default_factory=list)  # every directory deleted, checkpoints included
+    bytes: int = 0  # the size of those directories
+    kept_in_use: int = 0  # due, but read by a request in flight: kept for a later sweep
+
+    def __bool__(self) -> bool:
+        return bool(self.futures or self.metrics or self.checkpoints or self.samplers)
+
+
+class Retention:
+    """Applies a RetentionPolicy to the store and the data directory."""
+
+    def __init__(self, store: Store, layout: DiskLayout, policy: RetentionPolicy) -> None:
+        self.store, self.layout, self.policy = store, layout, policy
+
+    def due(self, now: datetime, in_use: frozenset[Path] = frozenset()) -> Removal:
+        """What a sweep at `now` would remove, leaving alone what `in_use` names."""
+        removal = Removal()
+        removal.futures = self.store.count_prunable_futures(now - _seconds(self.policy.future_retention_s))
+        removal.metrics = self.store.count_prunable_metrics(*self._metric_bounds(now))
+        for row in self.store.expired_checkpoints(now):
+            path = CheckpointPath(row.run_id, row.kind, row.name)
+            directory = self.layout.checkpoint_dir(path)
+            if directory in in_use:
+                removal.kept_in_use += 1
+                continue
+            removal.checkpoints.append(path)
+            removal.directories.append(directory)
+        samplers = self.store.all_samplers()
+        sessions = self.store.sessions_by_id(sorted({row.session_id for row in samplers}))
+        for row in samplers:
+            if not self._unreachable(row, sessions.get(row.session_id), now):
+                continue
+            own = self._own_weights(row)
+            if own is not None and own in in_use:
+                removal.kept_in_use += 1
+                continue
+            removal.samplers.append(row.id)
+            if own is not None and own.exists():
+                removal.directories.append(own)
+        removal.bytes = sum(
+            f.stat().st_size for d in removal.directories for f in d.rglob("*") if f.is_file()
+        )
+        return removal
+
+    def sweep(self, now: datetime, in_use: frozenset[Path] = frozenset()) -> Removal:
+        """Remove what is due; rows go before their files, so nothing can reference a half-deleted one."""
+        removal = self.due(now, in_use)
+        if removal.futures:
+            self.store.prune_futures(now - _seconds(self.policy.future_retention_s))
+        if removal.metrics:
+            self.store.prune_metrics(*self._metric_bounds(now))
+        for path in removal.checkpoints:
+            self.store.delete_checkpoint(path.run_id, path.kind, path.name)
+        for sampler_id in removal.samplers:
+            self.store.delete_sampler(sampler_id)
+        for directory in removal.directories:
+            shutil.rmtree(directory, ignore_errors=True)
+        if removal:
+            log.info(
+                "retention removed %d futures, %d metric records, %d expired checkpoints, %d unreachable "
+                "samplers",
+                removal.futures,
+                removal.metrics,
+                len(removal.checkpoints),
+                len(removal.samplers),
+            )
+        return removal
+
+    def _metric_bounds(self, now: datetime) -> tuple[datetime, int]:
+        """Runs unused since this time lose their metric history; every run keeps at most this many."""
+        return now - _seconds(self.policy.metric_retention_s), self.policy.max_metrics_per_run
+
+    def _unreachable(self, row: SamplerRow, session: SessionRow | None, now: datetime) -> bool:
+        """Whether the sampler goes (module docstring): its session is gone, or silent and the sampler
+        unused; or it holds weights of its own that nobody used for snapshot_idle_s."""
+        last_used = as_utc(row.last_used_at or row.created_at)
+        if session is None or session.finished_reason is not None:
+            return True
+        timeout = _seconds(self.policy.session_timeout_s)
+        if now - as_utc(session.last_heartbeat_at) >= timeout and now - last_used >= timeout:
+            return True
+        idle = _seconds(self.policy.snapshot_idle_s)
+        return self._own_weights(row) is not None and now - last_used >= idle
+
+    def _own_weights(self, row: SamplerRow) -> Path | None:
+        """The weights directory that belongs to the sampler alone (never a named checkpoint)."""
+        if row.snapshot_dir is not None:
+            return Path(row.snapshot_dir)
+        if row.model_path is not None and CheckpointPath.parse(row.model_path).kind == "weights":
+            return self.layout.snapshot_dir(row.id)  # the export made for it on first use
+        return None
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)

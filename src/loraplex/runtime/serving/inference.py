@@ -1,0 +1,266 @@
+"""Inference for the OpenAI-compatible endpoints, on the same sampler, futures and limits as Tinker sampling.
+
+A `model` names the base model, one of the caller's `tinker://` sampler_weights or weights checkpoints, or
+one of the caller's aliases. Each request goes through TrainingService.sample on a sampler the tenant
+owns: one per (tenant, model), made on first use in a per-tenant session this server opens for them, so
+it returns exactly what an SDK `sample` of the same request returns. Alternatives to sampled tokens
+(top_logprobs) come from one more request that scores prompt + completion, as compute_logprobs does.
+The coroutines do their database work on worker threads, never on the caller's event loop.
+No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+import numpy as np
+
+from loraplex.engine.sampler.validation import resolved_max_tokens
+from loraplex.errors import NotFoundError, ServerError, UserError
+from loraplex.runtime.control.aliases import AliasTable, validate_alias
+from loraplex.runtime.control.futures import FAILED, FutureRecord
+from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.sampling import SampleRequest, SampleResult, SamplingParams
+from loraplex.runtime.serving.completions import Choice, Completion, to_choice, to_prompt, with_top
+from loraplex.runtime.serving.text_codec import TextCodec
+
+# What compute_logprobs sends: one token drawn at temperature 1 and ignored; only the prompt scores count.
+_SCORING_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0)
+
+
+class ModelNotFoundError(NotFoundError):
+    """`model` names nothing this tenant may sample (OpenAI's 404 with code model_not_found)."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model {model!r} does not exist or you do not have access to it.")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """An OpenAI completion request in the sampler's terms: each prompt completed `n` times."""
+
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams  # params.stop holds stop strings only; None = EOS alone
+    n: int = 1
+    is_sampled: bool = True  # False (max_tokens=0): the prompts are only scored
+    echo: bool = False  # return each prompt's tokens with its choices
+    scores_prompt: bool = False  # with their logprobs
+    top_logprobs: int = 0  # alternatives per token, at scored prompt positions and sampled ones
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """One entry of /v1/models."""
+
+    model_id: str
+    created: datetime
+    owned_by: str
+    root: str  # what the id resolves to: the base model name or a tinker:// path
+    parent: str | None  # the base model under an adapter
+
+
+class InferenceService:
+    """Resolves model names, keeps the tenants' samplers, and runs generations through TrainingService."""
+
+    def __init__(self, service: TrainingService, aliases: AliasTable, codec: TextCodec | None) -> None:
+        self.service, self.aliases, self._codec = service, aliases, codec
+        self.started_at = datetime.now().astimezone()
+        self._lock = threading.Lock()
+        self._sessions: dict[str, str] = {}  # tenant -> the session its samplers belong to
+        self._samplers: dict[tuple[str, str | None], str] = {}  # (tenant, tinker path | None) -> sampler
+        self._sampler_seqs = itertools.count()
+        self._sample_seqs = itertools.count()  # one counter for every sampler: seq_ids never repeat
+
+    @property
+    def base_model(self) -> str:
+        """The served model's name."""
+        return self.service.info.model_name
+
+    @property
+    def codec(self) -> TextCodec:
+        """The model's tokenizer (UserError if the model directory has none)."""
+        if self._codec is None:
+            raise UserError("this server's model has no tokenizer.json, which the /v1 endpoints need")
+        return self._codec
+
+    # --- models and aliases
+    async def models(self, tenant: str) -> list[ModelCard]:
+        """The base model, the tenant's sampler checkpoints and its aliases."""
+        return await asyncio.to_thread(self._models, tenant)
+
+    async def set_alias(self, tenant: str, alias: str, model: str) -> None:
+        """Name one of the tenant's checkpoints (an alias of an alias or of the base model is refused)."""
+        validate_alias(alias)
+        if alias == self.base_model:
+            raise UserError(f"alias {alias!r} is the base model's name")
+        if not model.startswith("tinker://"):
+            raise UserError(f"an alias names a tinker:// checkpoint path, not {model!r}")
+        await self.resolve(tenant, model)
+        self.aliases.set(tenant, alias, model)
+
+    async def resolve(self, tenant: str, model: str) -> str | None:
+        """The checkpoint path `model` names for `tenant`, None for the base model; ModelNotFoundError."""
+        return await asyncio.to_thread(self._resolve, tenant, model)
+
+    def _models(self, tenant: str) -> list[ModelCard]:
+        cards = [ModelCard(self.base_model, self.started_at, "loraplex", self.base_model, None)]
+        offset, page = 0, 1000
+        while True:
+            views, total = self.service.catalog.tenant_checkpoints(tenant, page, offset)
+            cards += [
+                ModelCard(str(v.path), v.created_at, tenant, str(v.path), self.base_model)
+                for v in views
+                if v.path.kind == "sampler_weights"
+            ]
+            offset += page
+            if offset >= total:
+                break
+        cards += [
+            ModelCard(str(v.path), v.created_at, "published", str(v.path), self.base_model)
+            for v in self.service.catalog.published_checkpoints(tenant)
+            if v.path.kind == "sampler_weights"
+        ]
+        for alias, target in self.aliases.of(tenant).items():
+            cards.append(ModelCard(alias, self.started_at, tenant, target, self.base_model))
+        return cards
+
+    def _resolve(self, tenant: str, model: str) -> str | None:
+        if model == self.base_model:
+            return None
+        target = self.aliases.target(tenant, model) or model
+        if not target.startswith("tinker://"):
+            raise ModelNotFoundError(model)
+        try:
+            path = CheckpointPath.parse(target)
+            self.service.catalog.readable_checkpoint(tenant, path)  # the tenant's own, or published
+        except UserError as exc:  # malformed, missing, deleted, or another tenant's: all look alike
+            raise ModelNotFoundError(model) from exc
+        return str(path)
+
+    # --- generation
+    async def complete(self, tenant: str, generation: Generation) -> list[Completion]:
+        """Every prompt's completion, in order; the prompts are sampled concurrently."""
+        model_path = await self.resolve(tenant, generation.model)
+        codec = self.codec
+        if generation.top_logprobs and generation.is_sampled:
+            for prompt in generation.prompts:
+                self._check_room_to_score(prompt, generation.params)
+        return list(
+            await asyncio.gather(
+                *(
+                    self._complete(tenant, model_path, codec, prompt, generation)
+                    for prompt in generation.prompts
+                )
+            )
+        )
+
+    async def _complete(
+        self, tenant: str, model_path: str | None, codec: TextCodec, prompt: list[int], generation: Generation
+    ) -> Completion:
+        # max_tokens=0 has no Tinker form: one token is drawn, as compute_logprobs does, and dropped.
+        params = generation.params if generation.is_sampled else replace(generation.params, max_tokens=1)
+        request = SampleRequest(
+            np.asarray(prompt, np.int64),
+            params,
+            num_samples=generation.n,
+            prompt_logprobs=generation.scores_prompt,
+            topk_prompt_logprobs=generation.top_logprobs if generation.scores_prompt else 0,
+        )
+        result = await self._sample(tenant, model_path, request)
+        echoed = (
+            to_prompt(codec, prompt, result if generation.scores_prompt else None) if generation.echo else ()
+        )
+        if not generation.is_sampled:
+            choices = tuple(Choice("", (), "length") for _ in result.sequences)
+            return Completion(len(prompt), echoed, choices)
+        stop_strings = [s for s in params.stop or () if isinstance(s, str)]
+        choices = [to_choice(codec, sequence, stop_strings) for sequence in result.sequences]
+        if generation.top_logprobs:
+            choices = await asyncio.gather(
+                *(
+                    self._with_top(tenant, model_path, codec, prompt, c, generation.top_logprobs)
+                    for c in choices
+                )
+            )
+        return Completion(len(prompt), echoed, tuple(choices))
+
+    async def _with_top(
+        self, tenant: str, model_path: str | None, codec: TextCodec, prompt: list[int], choice: Choice, k: int
+    ) -> Choice:
+        """`choice` with the top-k alternatives at its tokens: prompt + its tokens scored in one request."""
+        if not choice.tokens:
+            return choice
+        tokens = [*prompt, *(t.token_id for t in choice.tokens)]
+        request = SampleRequest(
+            np.asarray(tokens, np.int64),
+            _SCORING_PARAMS,
+            topk_prompt_logprobs=k,
+            prompt_logprobs_last_n=len(choice.tokens),
+        )
+        return with_top(codec, choice, await self._sample(tenant, model_path, request), len(prompt))
+
+    def _check_room_to_score(self, prompt: list[int], params: SamplingParams) -> None:
+        context = self.service.info.max_context_length
+        max_tokens = resolved_max_tokens(SampleRequest(np.asarray(prompt), params), context)
+        if len(prompt) + max_tokens >= context:
+            raise UserError(
+                f"top_logprobs scores the completion after it is sampled, so the prompt ({len(prompt)} "
+                f"tokens) plus max_tokens ({max_tokens}) must stay below the context length {context}"
+            )
+
+    async def _sample(self, tenant: str, model_path: str | None, request: SampleRequest) -> SampleResult:
+        """Queue `request` on the tenant's sampler of the model and wait for its result."""
+        record = await asyncio.to_thread(self._submit, tenant, model_path, request)
+        record = await self.service.retrieve(tenant, record.id)
+        while not record.is_done:
+            record = await self.service.retrieve(tenant, record.id)
+        if record.status == FAILED:
+            error = record.error or "sampling failed"
+            raise UserError(error) if record.category == "user" else ServerError(error)
+        assert isinstance(record.result, SampleResult)
+        return record.result
+
+    def _submit(self, tenant: str, model_path: str | None, request: SampleRequest) -> FutureRecord:
+        """Queue `request` on the tenant's sampler of the model."""
+        try:
+            return self._submit_to_sampler(tenant, model_path, request)
+        except NotFoundError:
+            # Retention removes samplers unused for a while: a new one is made, once. A second miss means
+            # the weights themselves are gone.
+            try:
+                return self._submit_to_sampler(tenant, model_path, request)
+            except NotFoundError as exc:
+                raise ModelNotFoundError(model_path or self.base_model) from exc
+
+    def _submit_to_sampler(self, tenant: str, model_path: str | None, request: SampleRequest) -> FutureRecord:
+        """One try on the tenant's sampler of the model; a sampler that is gone is forgotten."""
+        sampler_id = self._sampler(tenant, model_path)
+        try:
+            return self.service.sample(tenant, sampler_id, next(self._sample_seqs), request)
+        except NotFoundError:
+            with self._lock:
+                if self._samplers.get((tenant, model_path)) == sampler_id:
+                    del self._samplers[(tenant, model_path)]
+            raise
+
+    def _sampler(self, tenant: str, model_path: str | None) -> str:
+        with self._lock:
+            sampler_id = self._samplers.get((tenant, model_path))
+            session_id = self._sessions.get(tenant)
+        if sampler_id is not None:
+            return sampler_id
+        if session_id is None:
+            session_id = self.service.sessions.create(tenant, {"client": "openai-compatible endpoints"})
+        base_model = self.base_model if model_path is None else None
+        sampler_id = self.service.create_sampler(
+            tenant, session_id, next(self._sampler_seqs), model_path, base_model
+        )
+        with self._lock:
+            self._sessions.setdefault(tenant, session_id)
+            return self._samplers.setdefault((tenant, model_path), sampler_id)

@@ -1,5 +1,0 @@
-"""Persistence of the control plane: tables, the Store repository, and the result codec. No tensors."""
-
-from loraplex.runtime.store.repository import FutureOutcome, RequestSpan, Store, as_utc, utcnow
-
-__all__ = ["FutureOutcome", "RequestSpan", "Store", "as_utc", "utcnow"]
