@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import pydantic
 
+from loraplex import os_threads
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
 from loraplex.log_format import configure_logging
@@ -82,6 +83,8 @@ def _add_serve(subparsers: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # This thread becomes the engine thread: named before the engine starts the threads that inherit it.
+    os_threads.name_os_thread(os_threads.ENGINE)
     config = config_from_args(args)
     check_exposure(config)
     if config.nproc > 1:
@@ -229,7 +232,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineLoop.run).
     # uvicorn installs no signal handlers off the main thread: SIGINT and SIGTERM stop the engine loop
     # after its current plan, then the HTTP server.
-    http = threading.Thread(target=server.run, name="loraplex-http", daemon=True)
+    http = threading.Thread(target=_named(os_threads.HTTP, server.run), name="loraplex-http", daemon=True)
     stop = service.engine_loop.request_stop
     previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
     http.start()
@@ -244,6 +247,16 @@ def run_server(config: ServerConfig, engine: Any) -> None:
         lock.close()
     if not server.started:
         raise ServerError(f"the HTTP server did not start on {config.host}:{config.port} (see the log above)")
+
+
+def _named(name: str, target: Callable[[], object]) -> Callable[[], None]:
+    """`target`, run on a thread the kernel knows as `name`."""
+
+    def run() -> None:
+        os_threads.name_os_thread(name)
+        target()
+
+    return run
 
 
 # --- engine-worker

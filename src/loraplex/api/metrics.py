@@ -29,7 +29,11 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import AuthenticationError
 from loraplex.runtime.control.service import TrainingService
-from loraplex.runtime.observability.telemetry import HistogramSnapshot, ServerSnapshot
+from loraplex.runtime.observability.telemetry import (
+    ENGINE_THREAD_STATES,
+    HistogramSnapshot,
+    ServerSnapshot,
+)
 
 router = APIRouter()
 
@@ -199,6 +203,23 @@ def _work(s: ServerSnapshot) -> Iterator[Metric]:
         "Duration of one sampler step (admissions' prefill and one decode step of every active sequence).",
         s.sampler_step_duration,
     )
+    busy = s.engine_thread_s.get("engine", 0.0)
+    yield _counter(
+        "loraplex_engine_busy_seconds",
+        "Wall seconds the engine thread spent inside engine calls; its duty cycle is this over "
+        "loraplex_engine_thread_seconds_total of the states engine, durable and other.",
+        busy,
+    )
+    thread = CounterMetricFamily(
+        "loraplex_engine_thread_seconds",
+        "Wall seconds of the engine thread by state: engine (inside engine calls), durable (waiting for an "
+        "earlier outcome to be written), held (work the scheduler holds back), idle, other (planning, "
+        "bookkeeping).",
+        labels=("state",),
+    )
+    for state in ENGINE_THREAD_STATES:
+        thread.add_metric((state,), s.engine_thread_s.get(state, 0.0))
+    yield thread
     db = HistogramMetricFamily(
         "loraplex_db_call_duration_seconds", "Duration of one database call, by Store method.", labels=["op"]
     )

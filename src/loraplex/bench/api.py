@@ -28,12 +28,14 @@ from loraplex.bench.workloads import TrainShape, make_slot_datums, prepare_model
 from loraplex.engine.local import LocalEngine, resolve_device
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
 from loraplex.errors import UserError
+from loraplex.runtime.observability.telemetry import ENGINE_THREAD_STATES
 
 Run = Callable[[], object]
 
 _WARMUP = 1
 _LEARNING_RATE = 1e-4
 _LOSS = "cross_entropy"
+ENGINE, DURABLE, _HELD, _IDLE, OTHER = ENGINE_THREAD_STATES
 
 
 class DirectSteps:
@@ -105,9 +107,31 @@ def _summarize(shape: TrainShape, timings: Timings) -> dict[str, Any]:
         "engine_cpu_s": Stat.of_times(cpu["process"]["engine"]),
         "sdk_client_cpu_s": Stat.of_times(cpu["process"]["sdk"]),
         "sdk_server_cpu_s": Stat.of_times(cpu["server"]["sdk"]),
+        **_engine_thread_figures(timings),
     }
+    for key, rounds in cpu.items():  # the server's CPU by thread during the SDK rounds
+        if key.startswith("server_threads:"):
+            figures[f"sdk_server_cpu_s_{key.split(':', 1)[1]}"] = Stat.of_times(rounds["sdk"])
     summary: dict[str, Any] = shape.summary_fields()
     return report.add_figures(summary, figures)
+
+
+def _engine_thread_figures(timings: Timings) -> dict[str, Stat]:
+    """The server's engine thread during the SDK rounds: its duty cycle (engine ÷ (engine + durable +
+    other), docs/METRICS.md) and each state's share of the round's wall time."""
+    spent = {
+        key.split(":", 1)[1]: rounds["sdk"]
+        for key, rounds in timings.cpu.items()
+        if key.startswith("engine:")
+    }
+    if not spent:
+        return {}
+    rounds = range(len(timings.seconds["sdk"]))
+    working = [spent[ENGINE][r] + spent[DURABLE][r] + spent[OTHER][r] for r in rounds]
+    figures = {"engine_duty_cycle": Stat.of_rates(ratios(spent[ENGINE], working))}
+    for state, seconds in spent.items():
+        figures[f"engine_thread_{state}_share"] = Stat.of_rates(ratios(seconds, timings.seconds["sdk"]))
+    return figures
 
 
 def bench_api(args: argparse.Namespace) -> int:
@@ -129,7 +153,12 @@ def bench_api(args: argparse.Namespace) -> int:
             engine = build_engine(model_dir, device, shape.slots, shape.rank)
             sdk = SdkSteps(server.base_url, model_dir.name, shape, slot_datums)
             runs: dict[str, Run] = {"sdk": sdk, "engine": DirectSteps(engine, shape, slot_datums)}
-            timings = time_interleaved(runs, rounds, _WARMUP, device, {"server": server.cpu_seconds})
+            probes = {
+                "server": server.cpu_seconds,
+                "server_threads": server.thread_cpu_seconds,
+                "engine_thread": server.engine_thread_seconds,
+            }
+            timings = time_interleaved(runs, rounds, _WARMUP, device, probes)
             sdk.close()
             # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
             memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}

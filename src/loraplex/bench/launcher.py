@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 _HOST = "127.0.0.1"
 _STOP_WAIT_S = 15.0
@@ -48,6 +49,33 @@ class Server:
         """User + system CPU seconds the server process has used so far (Linux /proc; 10 ms ticks)."""
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[_UTIME]) + int(fields[_STIME])) / os.sysconf("SC_CLK_TCK")
+
+    def thread_cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds of the server's threads so far, by kernel thread name (os_threads.py:
+        lpx-engine, lpx-http, lpx-submit, ...; threads a named one started inherit its name), the unnamed
+        ones under "other". A thread that exited no longer counts."""
+        by_name: dict[str, float] = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                name = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread exited meanwhile
+                continue
+            key = name if name.startswith("lpx-") else "other"
+            ticks = int(fields[_UTIME]) + int(fields[_STIME])
+            by_name[key] = by_name.get(key, 0.0) + ticks / os.sysconf("SC_CLK_TCK")
+        return by_name
+
+    def engine_thread_seconds(self) -> dict[str, float]:
+        """The engine thread's wall seconds so far by state, from the server's /metrics
+        (loraplex_engine_thread_seconds_total; docs/METRICS.md)."""
+        text = httpx.get(f"{self.base_url}/metrics", headers={"X-API-Key": "tml-local"}, timeout=10).text
+        return {
+            sample.labels["state"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "loraplex_engine_thread_seconds_total"
+        }
 
     def peak_rss_mb(self) -> float | None:
         """The server process's resident-set high-water mark (VmHWM), None where /proc cannot say."""

@@ -99,6 +99,12 @@ def add_figures(summary: dict[str, Any], figures: dict[str, Stat]) -> dict[str, 
     return summary
 
 
+def _probe_field(probe: str) -> str:
+    """A probe's field in a round row: `<probe>_cpu_s` for CPU probes; a named counter of a probe that
+    reads several (`engine:idle`, `server_threads:lpx-http`) keeps its name with `_s`."""
+    return f"{probe}_s" if ":" in probe else f"{probe}_cpu_s"
+
+
 def round_rows(timings: Timings) -> list[dict[str, Any]]:
     """One row per (round, configuration), in the order they ran."""
     rounds = len(next(iter(timings.seconds.values())))
@@ -109,7 +115,7 @@ def round_rows(timings: Timings) -> list[dict[str, Any]]:
             "config": name,
             "seconds": times[r],
             "cpu_stall_fraction": timings.stall[name][r],
-            **{f"{probe}_cpu_s": per_config[name][r] for probe, per_config in timings.cpu.items()},
+            **{_probe_field(probe): per_config[name][r] for probe, per_config in timings.cpu.items()},
         }
         for r in range(rounds)
         for name, times in timings.seconds.items()

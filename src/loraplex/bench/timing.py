@@ -35,8 +35,9 @@ def cpu_stall_us() -> int | None:
     return int(first_line.rsplit("total=", 1)[1])
 
 
-# CPU seconds a probe has counted so far (this process's, or another process's); read around each call.
-CpuProbe = Callable[[], float]
+# Seconds a probe has counted so far (CPU of this process or another; or several named counters at once,
+# recorded as "probe:name"); read around each call.
+CpuProbe = Callable[[], float | Mapping[str, float]]
 
 
 @dataclass
@@ -67,11 +68,7 @@ def time_interleaved(
         for run in configurations.values():
             run()
     names = list(configurations)
-    timings = Timings(
-        {name: [] for name in names},
-        {name: [] for name in names},
-        {probe: {name: [] for name in names} for probe in probes},
-    )
+    timings = Timings({name: [] for name in names}, {name: [] for name in names}, {})
     for _ in range(rounds):
         for name, run in configurations.items():
             synchronize(device)
@@ -81,11 +78,23 @@ def time_interleaved(
             synchronize(device)
             elapsed, stall_end = time.perf_counter() - start, cpu_stall_us()
             for probe, read in probes.items():
-                timings.cpu[probe][name].append(read() - cpu_start[probe])
+                for key, spent in _spent(probe, cpu_start[probe], read()).items():
+                    timings.cpu.setdefault(key, {n: [] for n in names})[name].append(spent)
             timings.seconds[name].append(elapsed)
             stalled = None if stall_start is None or stall_end is None else (stall_end - stall_start) / 1e6
             timings.stall[name].append(None if stalled is None else min(1.0, stalled / elapsed))
     return timings
+
+
+def _spent(
+    probe: str, start: float | Mapping[str, float], end: float | Mapping[str, float]
+) -> dict[str, float]:
+    """What a probe counted between two reads: one value under its name, or one per counter it reads
+    (`probe:counter`; a counter that appeared meanwhile started at 0)."""
+    if isinstance(start, Mapping) and isinstance(end, Mapping):
+        return {f"{probe}:{key}": value - start.get(key, 0.0) for key, value in end.items()}
+    assert not isinstance(start, Mapping) and not isinstance(end, Mapping)
+    return {probe: end - start}
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from loraplex.errors import ServerError
+from loraplex.os_threads import SUBMIT, name_os_thread
 from loraplex.runtime.control.futures import FutureRecord
 from loraplex.runtime.control.service import Submission, TrainingService
 
@@ -101,6 +102,7 @@ class SubmissionThread:
         return await future
 
     def _serve(self) -> None:
+        name_os_thread(SUBMIT)
         stopping = False
         while not stopping:
             job = self._jobs.get()

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine, EngineInfo
@@ -44,6 +45,7 @@ from loraplex.runtime.core.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.core.duty import DutyMeter, MeteredEngine
 from loraplex.runtime.core.engine_loop import EngineLoop
 from loraplex.runtime.core.executor import Executor, lost_run_error
 from loraplex.runtime.core.run_queue import LOST, PARKED, Entry, RunQueue, RunState
@@ -93,8 +95,11 @@ class TrainingService:
             Gathering(config.pass_gather_quiet_ms / 1000, config.pass_gather_max_ms / 1000),
             config.slot_wait_s,
         )
+        # The engine thread's calls are timed (duty.py); other threads call `engine` itself (validation).
+        meter = DutyMeter(self.telemetry)
+        metered = cast(Engine, MeteredEngine(engine, meter))
         executor = Executor(
-            engine,
+            metered,
             store,
             self.futures,
             self.layout,
@@ -105,7 +110,7 @@ class TrainingService:
             self.progress,
         )
         self.engine_loop = EngineLoop(
-            engine,
+            metered,
             executor,
             self.futures,
             self.sessions,
@@ -129,6 +134,7 @@ class TrainingService:
             config.max_prefill_tokens,
             self._cond,
             self.telemetry,
+            meter,
         )
 
     @classmethod

@@ -23,12 +23,14 @@ from pathlib import Path
 
 from loraplex.engine.interface import Engine
 from loraplex.errors import UserError
+from loraplex.os_threads import ENGINE, name_os_thread
 from loraplex.runtime.control.futures import FutureTable
 from loraplex.runtime.control.retention import Retention
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store import utcnow
 from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.commands import CreateRunFromCheckpoint, LoadState
+from loraplex.runtime.core.duty import HELD, IDLE, DutyMeter
 from loraplex.runtime.core.executor import Executor
 from loraplex.runtime.core.run_queue import LOST, RunState
 from loraplex.runtime.core.sampling import SampleJob, SampleQueue, SampleResult
@@ -62,6 +64,7 @@ class EngineLoop:
         max_prefill_tokens: int,
         cond: threading.Condition,
         telemetry: Telemetry | None = None,
+        meter: DutyMeter | None = None,
     ) -> None:
         self.engine, self.executor, self.futures, self.sessions = engine, executor, futures, sessions
         self.layout, self.scheduler, self.active, self.cond = layout, scheduler, active, cond
@@ -69,6 +72,7 @@ class EngineLoop:
         self.retention, self.retention_sweep_s = retention, retention_sweep_s
         self.seq_gap_timeout_s = seq_gap_timeout_s
         self.telemetry = telemetry or Telemetry()
+        self.meter = meter or DutyMeter(self.telemetry)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_lease_check = 0.0
@@ -91,7 +95,8 @@ class EngineLoop:
                 arrivals = self.samples.take_waiting()
                 if not plan and not arrivals and not self.engine.has_sampling_work():
                     wake_at = self.scheduler.wake_at
-                    self.cond.wait(timeout=_LEASE_CHECK_S if wake_at is None else max(0.0, wake_at - now))
+                    with self.meter.state(IDLE if wake_at is None else HELD):
+                        self.cond.wait(timeout=_LEASE_CHECK_S if wake_at is None else max(0.0, wake_at - now))
             try:
                 healthy = self._cycle(plan, arrivals)
             except Exception:
@@ -99,6 +104,7 @@ class EngineLoop:
                 healthy = False
             if not healthy:
                 time.sleep(_FAULT_PAUSE_S)
+            self.meter.end_cycle()
 
     def _cycle(self, plan: Plan, arrivals: list[SampleJob]) -> bool:
         """Carry out one plan and one sampler step; False if a residency move failed."""
@@ -136,8 +142,12 @@ class EngineLoop:
 
     def start(self) -> None:
         """Run the loop on a thread of its own (tests, and apps that own their main thread)."""
-        self._thread = threading.Thread(target=self.run, name="loraplex-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run_named, name="loraplex-engine", daemon=True)
         self._thread.start()
+
+    def _run_named(self) -> None:
+        name_os_thread(ENGINE)
+        self.run()
 
     def request_stop(self) -> None:
         """Ask the loop to stop after its current plan; takes no lock, so a signal handler may call it

@@ -13,6 +13,7 @@ API (stable; the console and /metrics read it):
     telemetry.record_optim_step(runs, duration_s)                       # one fused AdamW step
     telemetry.record_sampler_step(duration_s, usage)                    # one sampler step (EngineUsage)
     telemetry.record_usage(usage)                                       # memory / KV cache, ~once a second
+    telemetry.record_engine_thread(seconds_by_state)                    # the engine thread's wall time
     # fed by the futures and the store:
     telemetry.record_outcomes(complete, failed)                  # futures finished; failed: category -> n
     telemetry.record_db_call(op, duration_s)                            # one Store call
@@ -55,6 +56,8 @@ DECODE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 DB_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 _RECENT_PASSES = 32
+# The states of the engine thread's wall time (runtime/core/duty.py), in the order /metrics lists them.
+ENGINE_THREAD_STATES = ("engine", "durable", "held", "idle", "other")
 
 
 def queue_kind(command: Command) -> str:
@@ -161,6 +164,9 @@ class ServerSnapshot:
     optim_step_duration: HistogramSnapshot
     sampler_step_duration: HistogramSnapshot
     db_call_duration: Mapping[str, HistogramSnapshot]  # Store method -> its calls
+    # The engine thread's wall time since start by state (runtime/core/duty.py: engine, durable, held, idle,
+    # other); every state is present.
+    engine_thread_s: Mapping[str, float] = field(default_factory=dict)
 
 
 class _Histogram:
@@ -223,6 +229,7 @@ class Telemetry:
         self._complete = 0
         self._failed: dict[str, int] = {}
         self._usage = EngineUsage()
+        self._engine_thread_s: dict[str, float] = dict.fromkeys(ENGINE_THREAD_STATES, 0.0)
 
     # --- recording (engine loop, futures, store)
     def record_pass(self, tokens: int, requests: int, runs: int, tenants: int, duration_s: float) -> None:
@@ -266,6 +273,12 @@ class Telemetry:
             self._decode_tokens += max(0, usage.sampled_tokens - self._usage.sampled_tokens)
             self._usage = usage
 
+    def record_engine_thread(self, seconds: Mapping[str, float]) -> None:
+        """Wall seconds the engine thread spent in each state during one cycle of its loop."""
+        with self._lock:
+            for state, spent in seconds.items():
+                self._engine_thread_s[state] = self._engine_thread_s.get(state, 0.0) + spent
+
     def record_outcomes(self, complete: int, failed: Mapping[str, int]) -> None:
         """Futures finished: `complete` with a result, `failed` per error category."""
         with self._lock:
@@ -307,6 +320,7 @@ class Telemetry:
             decode_rate = self._decode_rate.per_second(now, self._started)
             histograms = (self._pass_s.snapshot(), self._optim_s.snapshot(), self._sampler_s.snapshot())
             db = {op: h.snapshot() for op, h in self._db_s.items()}
+            engine_thread = dict(self._engine_thread_s)
         device = f"{self.device} ({usage.device_name})" if usage.device_name else self.device
         return ServerSnapshot(
             uptime_s=now - self._started,
@@ -333,6 +347,7 @@ class Telemetry:
             optim_step_duration=histograms[1],
             sampler_step_duration=histograms[2],
             db_call_duration=db,
+            engine_thread_s=engine_thread,
         )
 
 
