@@ -23,6 +23,7 @@ from loraplex.engine.types import (
     LoraConfig,
     PassRequest,
     PassResult,
+    PreparedStep,
     SampledSequence,
     SampleRequest,
     SampleResult,
@@ -73,6 +74,7 @@ class FakeEngine(Engine):
         self.optim_log: list[list[int]] = []
         self.sample_queue: list[tuple[str, SampleRequest]] = []
         self._undo: dict[int, _Slot] | None = None
+        self._prepared: _FakePrepared | None = None
 
     # --- slots
     def create_slot(self, config: LoraConfig) -> int:
@@ -179,19 +181,51 @@ class FakeEngine(Engine):
                 slot.grad["B"] += slot.A.T @ g_delta
         return PassResult(outputs=outputs, metrics={"loss:sum": total})
 
-    # --- optimizer
+    # --- optimizer: prepare (metrics, nothing changes), then apply, or abort
+    def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
+        self._undo = None
+        for slot_id in steps:
+            if slot_id not in self.slots:
+                raise NotFoundError(f"slot {slot_id} is not loaded")
+        metrics = {
+            slot_id: {"grad_norm": self._norm(slot_id), "learning_rate": p.learning_rate}
+            for slot_id, p in steps.items()
+        }
+        self._prepared = _FakePrepared(metrics, 0, dict(steps))
+        return self._prepared
+
+    def apply_step(self, prepared: PreparedStep) -> None:
+        if prepared is not self._prepared:
+            raise ServerError("a stale prepared step")
+        self._prepared = None
+        self.optim_log.append(sorted(self._prepared_steps(prepared)))
+        self._step(self._prepared_steps(prepared))
+
+    def abort_step(self, prepared: PreparedStep) -> None:
+        if prepared is not self._prepared:
+            raise ServerError("a stale prepared step")
+        self._prepared = None
+
     def optim_step(
         self, steps: dict[int, AdamParams], keep_undo: bool = False
     ) -> dict[int, dict[str, float]]:
-        self.optim_log.append(sorted(steps))
-        with self._transaction(keep_undo):
-            return self._step(steps)
+        prepared = self.prepare_step(steps)
+        self.apply_step(prepared)
+        return prepared.metrics
+
+    @staticmethod
+    def _prepared_steps(prepared: PreparedStep) -> dict[int, AdamParams]:
+        assert isinstance(prepared, _FakePrepared)
+        return prepared.steps
+
+    def _norm(self, slot_id: int) -> float:
+        return float(np.sqrt(sum((g**2).sum() for g in self.slots[slot_id].grad.values())))
 
     def _step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
         metrics = {}
         for slot_id, p in steps.items():
             slot = self.slots[slot_id]
-            norm = float(np.sqrt(sum((g**2).sum() for g in slot.grad.values())))
+            norm = self._norm(slot_id)
             scale = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 else 1.0
             slot.steps += 1
             for name in ("A", "B"):
@@ -308,6 +342,11 @@ class FakeEngine(Engine):
             scored = lp[np.arange(len(lp)), request.prompt[1:]]
             prompt_logprobs = np.concatenate([[np.nan], scored]).astype(np.float32)
         return SampleResult(sequences, prompt_logprobs)
+
+
+@dataclass(frozen=True, eq=False)
+class _FakePrepared(PreparedStep):
+    steps: dict[int, AdamParams] = field(default_factory=dict)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

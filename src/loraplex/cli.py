@@ -207,11 +207,11 @@ def run_server(config: ServerConfig, engine: Any) -> None:
 
     from loraplex.api.app import create_app
     from loraplex.model.hub_cache import offer_tokenizer
-    from loraplex.runtime.control.service import TrainingService
+    from loraplex.runtime.assembly import Runtime
 
     configure_logging(config.log_format, config.log_level)
     lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
-    service = TrainingService.open(engine, config)
+    runtime = Runtime.open(engine, config)
     info = engine.info
     if (cached := offer_tokenizer(Path(info.tokenizer_dir), info.model_name)) is not None:
         log.info(
@@ -219,10 +219,10 @@ def run_server(config: ServerConfig, engine: Any) -> None:
         )
     log.info("model %s (%s) on device %s", info.model_name, config.model, info.device)
     log.info(
-        "database %s; data in %s; auth %s", service.store.display_url, config.data_dir.resolve(), config.auth
+        "database %s; data in %s; auth %s", runtime.store.display_url, config.data_dir.resolve(), config.auth
     )
     log.info("listening on http://%s:%d (Tinker base_url)", config.host, config.port)
-    app = create_app(service, run_service=False)
+    app = create_app(runtime, run_service=False)
     # The C parser and event loop (pinned dependencies): each request's Python time is time the engine's
     # thread may wait for the GIL, and the SDK makes two requests per forward_backward or optim_step.
     http_config = uvicorn.Config(
@@ -233,17 +233,18 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     # uvicorn installs no signal handlers off the main thread: SIGINT and SIGTERM stop the engine loop
     # after its current plan, then the HTTP server.
     http = threading.Thread(target=_named(os_threads.HTTP, server.run), name="loraplex-http", daemon=True)
-    stop = service.engine_loop.request_stop
+    stop = runtime.engine_loop.request_stop
     previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    runtime.start(with_engine_loop=False)
     http.start()
     try:
-        service.engine_loop.run(keep_running=http.is_alive)
+        runtime.engine_loop.run(keep_running=http.is_alive)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.should_exit = True
         http.join(timeout=30)
-        service.stop()
+        runtime.stop()
         lock.close()
     if not server.started:
         raise ServerError(f"the HTTP server did not start on {config.host}:{config.port} (see the log above)")
@@ -374,8 +375,9 @@ def _add_gc(subparsers: Any) -> None:
 
 def _doctor(args: argparse.Namespace) -> int:
     from loraplex.runtime.control.retention import Retention, RetentionPolicy
-    from loraplex.runtime.control.store import Store, utcnow
+    from loraplex.runtime.control.store import Store
     from loraplex.runtime.core.checkpoints import DiskLayout
+    from loraplex.timestamps import utcnow
 
     config = config_from_args(args)
     if not config.data_dir.is_dir():

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from loraplex.api.app import create_app
 from loraplex.api.console.routes import COOKIE
 from loraplex.config import ServerConfig
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import ConsoleLogins, create_key, revoke_key
-from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import _fb_body, _retrieve
 from tests.fakes import FakeEngine
 
@@ -28,7 +28,7 @@ STEPS = 3
 @dataclass
 class Console:
     http: TestClient
-    service: TrainingService
+    service: Runtime
     keys: dict[str, str]  # alice, bob, ops (admin)
     run: str  # alice's run, trained STEPS steps
 
@@ -47,7 +47,7 @@ class Console:
 @pytest.fixture(scope="module")
 def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     config = ServerConfig(data_dir=tmp_path_factory.mktemp("console"), long_poll_s=2.0, auth="keys")
-    service = TrainingService.open(FakeEngine(), config)
+    service = Runtime.open(FakeEngine(), config)
     keys = {
         "alice": create_key(service.store, "alice"),
         "bob": create_key(service.store, "bob"),
@@ -55,7 +55,6 @@ def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
     }
     with TestClient(create_app(service)) as http:
         run = _train(http, {"X-API-Key": keys["alice"]}, STEPS)
-        service.history.flush()
         yield Console(http, service, keys, run)
 
 
@@ -170,7 +169,7 @@ def test_signing_out_ends_the_sign_in(console: Console) -> None:
 
 
 def test_revoking_the_key_ends_its_console_sign_in(tmp_path: Path) -> None:
-    service = TrainingService.open(FakeEngine(), ServerConfig(data_dir=tmp_path, auth="keys"))
+    service = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path, auth="keys"))
     service.logins = ConsoleLogins(service.store, "keys", cache_s=0.0)
     key = create_key(service.store, "carol")
     with TestClient(create_app(service)) as http:

@@ -30,7 +30,7 @@ from loraplex.config import ServerConfig
 from loraplex.engine.local import build_local_engine
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 from tests.fakes import FakeEngine
 
 SEED = 1405
@@ -72,7 +72,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fixtures]:
     config = ServerConfig(data_dir=data_dir, long_poll_s=0.05, **LIMITS)
     engine = build_local_engine("tiny", data_dir, "cpu", 2, config.max_rank, None)
     engine.sampler.limits = sampling_limits(config)
-    app = create_app(TrainingService.open(engine, config))
+    app = create_app(Runtime.open(engine, config))
     with TestClient(app, raise_server_exceptions=False) as http:
         session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
         body = {
@@ -447,7 +447,7 @@ def test_a_create_model_resent_after_its_creation_failed_answers_its_first_futur
     # Found by the fuzzer (seed 13): the resend reached runtime/control/service.py create_run, which
     # inserted a second future row for (run, seq_id 0) and failed on its UNIQUE constraint (a 500).
     config = ServerConfig(data_dir=tmp_path, long_poll_s=0.5)
-    with TestClient(create_app(TrainingService.open(_RefusingEngine(), config))) as http:
+    with TestClient(create_app(Runtime.open(_RefusingEngine(), config))) as http:
         session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
         body = {
             "session_id": session,

@@ -18,7 +18,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 from tests.fakes import FakeEngine
 
 KEY = {"X-API-Key": "tml-local"}
@@ -27,7 +27,7 @@ KEY = {"X-API-Key": "tml-local"}
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[TestClient]:
     config = ServerConfig(data_dir=tmp_path, long_poll_s=0.3)
-    with TestClient(create_app(TrainingService.open(FakeEngine(), config))) as client:
+    with TestClient(create_app(Runtime.open(FakeEngine(), config))) as client:
         yield client
 
 
@@ -222,7 +222,7 @@ class _StalledSampler(FakeEngine):
 
 def test_a_full_sampling_queue_answers_429_with_a_body_and_leaves_retrying_to_the_sdk(tmp_path: Path) -> None:
     config = ServerConfig(data_dir=tmp_path, max_queued_samples=3)
-    with TestClient(create_app(TrainingService.open(_StalledSampler(), config))) as http:
+    with TestClient(create_app(Runtime.open(_StalledSampler(), config))) as http:
         sampler = _sampler(http)
         assert _asample(http, sampler, 0).status_code == 200
         refused = _asample(http, sampler, 1, num_samples=1)

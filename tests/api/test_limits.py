@@ -41,7 +41,8 @@ from loraplex.api.tinker.wire import (
 )
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
+from loraplex.runtime.control.futures import outcome_row
 from tests.api.test_http import KEY, _asample, _retrieve, _sampler
 from tests.fakes import FakeEngine
 
@@ -315,7 +316,7 @@ CONFIG = {
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[TestClient]:
     config = ServerConfig(data_dir=tmp_path, long_poll_s=0.3, **CONFIG)
-    with TestClient(create_app(TrainingService.open(FakeEngine(), config))) as client:
+    with TestClient(create_app(Runtime.open(FakeEngine(), config))) as client:
         yield client
 
 
@@ -371,9 +372,10 @@ def test_num_samples_past_what_the_server_queues_is_refused_also_in_a_resend(htt
 
 
 def test_a_result_holding_nan_reaches_a_json_client_as_null(http: TestClient) -> None:
-    futures = http.app.state.service.futures
+    futures = http.app.state.futures
     record = futures.create("local", "OptimStep")
-    futures.complete(record.id, {"metrics": {"grad_norm": math.nan, "loss:sum": 1.5}, "rows": [-math.inf]})
+    result = {"metrics": {"grad_norm": math.nan, "loss:sum": 1.5}, "rows": [-math.inf]}
+    futures.settle([(outcome_row(record.id, result), result)], is_written=True)
     assert _retrieve(http, record.id) == {"metrics": {"grad_norm": None, "loss:sum": 1.5}, "rows": [None]}
 
 
@@ -384,7 +386,7 @@ def test_a_server_error_answers_an_error_id_and_logs_the_detail(
     def broken(*_args: object) -> None:
         raise error
 
-    monkeypatch.setattr(http.app.state.service.catalog, "runs", broken)
+    monkeypatch.setattr(http.app.state.catalog, "runs", broken)
     quiet = TestClient(http.app, raise_server_exceptions=False)
     with caplog.at_level(logging.ERROR, logger="loraplex.api.app"):
         reply = quiet.get("/api/v1/training_runs", headers=KEY)

@@ -18,8 +18,9 @@ from loraplex.api.app import create_app
 from loraplex.api.metrics import DEVICE_MEMORY_METRICS
 from loraplex.config import ServerConfig
 from loraplex.log_format import JsonFormatter, TextFormatter
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.store import Store
 from tests.fakes import FakeEngine
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -27,7 +28,7 @@ KEY = {"X-API-Key": "tml-local"}
 
 
 def _app(tmp_path: Path, **config: object) -> TestClient:
-    service = TrainingService.open(FakeEngine(), ServerConfig(data_dir=tmp_path, **config))  # type: ignore[arg-type]
+    service = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path, **config))  # type: ignore[arg-type]
     return TestClient(create_app(service))
 
 
@@ -54,7 +55,7 @@ def _exported_names(http: TestClient) -> set[str]:
 
 def test_metrics_takes_any_tenants_key_or_none_when_public(tmp_path: Path) -> None:
     with _app(tmp_path / "keys", auth="keys") as http:
-        key = create_key(http.app.state.service.store, "alice")  # type: ignore[attr-defined]
+        key = create_key(Store(ServerConfig(data_dir=tmp_path / "keys").resolved_database_url()), "alice")
         assert http.get("/metrics").status_code == 401
         assert http.get("/metrics", headers={"X-API-Key": "tml-unknown"}).status_code == 401
         assert http.get("/metrics", headers={"X-API-Key": key}).status_code == 200

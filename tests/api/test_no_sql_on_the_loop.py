@@ -13,13 +13,13 @@ from fastapi.testclient import TestClient
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
-from loraplex.runtime.control.service import TrainingService
 from tests.api.test_http import _fb_body, _retrieve
 from tests.fakes import FakeEngine
 
 
-def _guard(service: TrainingService, violations: list[str]) -> None:
+def _guard(service: Runtime, violations: list[str]) -> None:
     """Wrap every public Store method of the service's store with the two checks."""
     store = service.store
     for name, method in inspect.getmembers(store, inspect.ismethod):
@@ -32,7 +32,7 @@ def _guard(service: TrainingService, violations: list[str]) -> None:
                 violations.append(f"{_name} on the event loop")
             except RuntimeError:
                 pass  # no loop in this thread: a worker thread
-            if service._cond._is_owned():  # type: ignore[attr-defined]
+            if service.state.cond._is_owned():  # type: ignore[attr-defined]
                 violations.append(f"{_name} under the service lock")
             return _method(*args, **kwargs)
 
@@ -43,7 +43,7 @@ def test_a_whole_session_over_http_never_touches_the_database_on_the_loop_or_und
     tmp_path: Path,
 ) -> None:
     config = ServerConfig(data_dir=tmp_path, long_poll_s=2.0, auth="keys")
-    service = TrainingService.open(FakeEngine(), config)
+    service = Runtime.open(FakeEngine(), config)
     key = {"X-API-Key": create_key(service.store, "alice")}
     violations: list[str] = []
     _guard(service, violations)
@@ -93,7 +93,6 @@ def test_a_whole_session_over_http_never_touches_the_database_on_the_loop_or_und
         assert http.post("/console/login", data={"key": key["X-API-Key"]}).status_code == 200  # to runs
         for page in ("runs", f"runs/{run}", "samplers", "requests", "server"):
             assert http.get(f"/console/{page}").status_code == 200
-        service.history.flush()  # as the engine worker does: outside the lock, off the loop
     assert violations == []
 
 
@@ -108,18 +107,16 @@ def _run_with(http: TestClient, key: dict[str, str]) -> str:
 def test_training_submissions_are_written_on_the_one_submission_thread_which_stops_with_the_app(
     tmp_path: Path,
 ) -> None:
-    service = TrainingService.open(
-        FakeEngine(), ServerConfig(data_dir=tmp_path, long_poll_s=2.0, auth="keys")
-    )
+    service = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path, long_poll_s=2.0, auth="keys"))
     key = {"X-API-Key": create_key(service.store, "alice")}
     threads: list[str] = []
-    submit_many = service.submit_many
+    submit_many = service.training.submit_many
 
     def recorded(submissions):
         threads.extend(threading.current_thread().name for _ in submissions)
         return submit_many(submissions)
 
-    service.submit_many = recorded  # type: ignore[method-assign]
+    service.training.submit_many = recorded  # type: ignore[method-assign]
     app = create_app(service)
     with TestClient(app) as http:
         run = _run_with(http, key)

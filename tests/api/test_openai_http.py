@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
 from loraplex.model.tiny import ensure_tiny_model
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.serving.inference import InferenceService
 from tests.api.test_no_sql_on_the_loop import _guard
 from tests.fakes import FakeEngine
@@ -30,11 +31,16 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_model(tmp_path_factory.mktemp("data"))
 
 
-def _service(data_dir: Path, tokenizer_dir: Path) -> TrainingService:
+def _service(data_dir: Path, tokenizer_dir: Path) -> Runtime:
     """A service over the fake engine, with the tiny model's tokenizer for text."""
     engine = FakeEngine()
     engine.info = replace(engine.info, tokenizer_dir=str(tokenizer_dir))
-    return TrainingService.open(engine, ServerConfig(data_dir=data_dir, auth="keys", long_poll_s=0.3))
+    return Runtime.open(engine, ServerConfig(data_dir=data_dir, auth="keys", long_poll_s=0.3))
+
+
+def _key(data_dir: Path, tenant: str) -> str:
+    """A new key of `tenant` in the server's database, as `loraplex keys create` makes one."""
+    return create_key(Store(ServerConfig(data_dir=data_dir).resolved_database_url()), tenant)
 
 
 @pytest.fixture
@@ -65,8 +71,8 @@ def test_a_missing_or_unknown_key_is_401_in_openais_shape(http: TestClient) -> N
     )
 
 
-def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClient) -> None:
-    headers = {"Authorization": f"Bearer {create_key(http.app.state.service.store, 'alice')}"}
+def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClient, tmp_path: Path) -> None:
+    headers = {"Authorization": f"Bearer {_key(tmp_path, 'alice')}"}
     base = {"model": MODEL, "prompt": [1, 2]}
     assert _post(http, "/v1/completions", {**base, "presence_penalty": 0.5}, headers) == _error(
         400,
@@ -112,9 +118,9 @@ def test_an_unknown_url_under_v1_is_openais_404(http: TestClient) -> None:
 
 
 def test_a_completion_stream_is_server_sent_events_whose_texts_join_to_the_whole_response(
-    http: TestClient, tokenizer_dir: Path
+    http: TestClient, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    headers = {"X-API-Key": create_key(http.app.state.service.store, "alice")}  # the Tinker header works too
+    headers = {"X-API-Key": _key(tmp_path, "alice")}  # the Tinker header works too
     body = {"model": MODEL, "prompt": [48, 49], "max_tokens": 3, "seed": 1, "echo": True, "logprobs": 0}
     status, whole = _post(http, "/v1/completions", body, headers)
     assert status == 200

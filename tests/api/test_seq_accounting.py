@@ -15,7 +15,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 from tests.api.test_http import KEY, _fb_body, _retrieve, _run
 from tests.fakes import FakeEngine
 
@@ -23,7 +23,7 @@ from tests.fakes import FakeEngine
 @pytest.fixture
 def http(tmp_path: Path) -> Iterator[TestClient]:
     config = ServerConfig(data_dir=tmp_path, long_poll_s=2.0)
-    with TestClient(create_app(TrainingService.open(FakeEngine(), config))) as client:
+    with TestClient(create_app(Runtime.open(FakeEngine(), config))) as client:
         yield client
 
 

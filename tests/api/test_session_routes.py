@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
-from loraplex.runtime.control.service import TrainingService
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from tests.fakes import FakeEngine
 
@@ -22,7 +22,7 @@ from tests.fakes import FakeEngine
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[TestClient, dict[str, dict[str, str]]]]:
     """A client of a keyed server, and the API-key headers of alice and bob."""
-    service = TrainingService.open(FakeEngine(), ServerConfig(data_dir=tmp_path, auth="keys"))
+    service = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path, auth="keys"))
     keys = {who: {"X-API-Key": create_key(service.store, who)} for who in ("alice", "bob")}
     with TestClient(create_app(service)) as http:
         yield http, keys
@@ -56,8 +56,7 @@ def test_the_trace_url_needs_no_key_and_its_token_serves_only_that_trace(served)
     assert other_file.status_code == 403 and "another file" in other_file.json()["detail"]
     forged = http.get(f"/api/v1/session_traces/{token[:-4]}AAAA/{session}.json")
     assert forged.status_code == 403 and forged.json()["detail"] == "invalid download token"
-    service: TrainingService = http.app.state.service  # type: ignore[attr-defined]
-    checkpoint_token = service.downloads.sign(
+    checkpoint_token = http.app.state.downloads.sign(  # type: ignore[attr-defined]
         "alice",
         CheckpointPath.parse("tinker://r:train:0/weights/a"),
         "adapter_config.json",

@@ -1,5 +1,5 @@
 """The submission thread: work runs off the event loop, in arrival order; the submissions that wait while
-it is busy are handed to the service together (one transaction, `TrainingService.submit_many`)."""
+it is busy are handed to the service together (one transaction, `Runtime.submit_many`)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tinker
 
-from loraplex.runtime.control.service import RESTART_ERROR
+from loraplex.runtime.control.recovery import RESTART_ERROR
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import client, logprobs, new_run, sft_steps
 

@@ -1,4 +1,4 @@
-"""Runtime fixtures: a TrainingService over the FakeEngine and a SQLite file in a temp directory."""
+"""Runtime fixtures: a Runtime over the FakeEngine and a SQLite file in a temp directory."""
 
 from __future__ import annotations
 
@@ -13,27 +13,27 @@ import pytest
 
 from loraplex.config import ServerConfig
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.futures import FutureRecord
-from loraplex.runtime.control.service import TrainingService
 from loraplex.runtime.core.commands import CreateRun, ForwardBackward, OptimStep
 from tests.fakes import FakeEngine
 
 PHRASE = np.array([3, 17, 9, 41, 5, 22, 8], dtype=np.int64)
 
 
-def make_service(data_dir: Path, engine: FakeEngine | None = None, **config: Any) -> TrainingService:
+def make_service(data_dir: Path, engine: FakeEngine | None = None, **config: Any) -> Runtime:
     """A started service on `data_dir` (a second call on the same dir is a restart)."""
     cfg = ServerConfig(data_dir=data_dir, **config)
-    service = TrainingService.open(engine or FakeEngine(), cfg)
+    service = Runtime.open(engine or FakeEngine(), cfg)
     service.start()
     return service
 
 
 @pytest.fixture
-def service_factory(tmp_path: Path) -> Iterator[Callable[..., TrainingService]]:
-    started: list[TrainingService] = []
+def service_factory(tmp_path: Path) -> Iterator[Callable[..., Runtime]]:
+    started: list[Runtime] = []
 
-    def factory(engine: FakeEngine | None = None, subdir: str = "data", **config: Any) -> TrainingService:
+    def factory(engine: FakeEngine | None = None, subdir: str = "data", **config: Any) -> Runtime:
         started.append(make_service(tmp_path / subdir, engine, **config))
         return started[-1]
 
@@ -43,15 +43,15 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., TrainingService]]:
 
 
 @contextmanager
-def held(service: TrainingService) -> Iterator[None]:
+def held(service: Runtime) -> Iterator[None]:
     """Keep the worker from planning, so everything submitted meanwhile is planned together."""
-    with service._cond:
+    with service.state.cond:
         yield
 
 
-def result_of(service: TrainingService, record: FutureRecord, tenant: str = "local") -> FutureRecord:
+def result_of(service: Runtime, record: FutureRecord, tenant: str = "local") -> FutureRecord:
     """Wait for a future's outcome (fails the test after one long-poll)."""
-    done = asyncio.run(service.retrieve(tenant, record.id))
+    done = asyncio.run(service.futures.retrieve(tenant, record.id))
     assert done.is_done, f"{record.request_type} future still pending"
     return done
 
@@ -73,11 +73,11 @@ def rl_pass(loss_fn: str, tokens: np.ndarray = PHRASE, **config: float) -> Forwa
     return ForwardBackward(loss_fn, dict(config), [DatumInput(tokens[:-1], inputs)], False)
 
 
-def create_run(service: TrainingService, tenant: str = "local", seed: int = 1, rank: int = 4) -> str:
+def create_run(service: Runtime, tenant: str = "local", seed: int = 1, rank: int = 4) -> str:
     """A session and a created run; returns the run id."""
     session = service.sessions.create(tenant, {})
     command = CreateRun(LoraConfig(rank=rank, seed=seed), service.info.model_name)
-    record = service.create_run(tenant, session, 0, command)
+    record = service.training.create_run(tenant, session, 0, command)
     assert result_of(service, record, tenant).result == {
         "model_id": f"{session}:train:0",
         "type": "create_model",
@@ -86,7 +86,7 @@ def create_run(service: TrainingService, tenant: str = "local", seed: int = 1, r
 
 
 def train_steps(
-    service: TrainingService,
+    service: Runtime,
     run_id: str,
     steps: int,
     tenant: str = "local",
@@ -96,8 +96,8 @@ def train_steps(
     """`steps` rounds of forward_backward + optim_step; returns each round's loss:sum."""
     losses, seq = [], first_seq
     for _ in range(steps):
-        fb = service.submit(tenant, run_id, seq, sft_pass())
-        opt = service.submit(tenant, run_id, seq + 1, OptimStep(AdamParams(learning_rate=lr)))
+        fb = service.training.submit(tenant, run_id, seq, sft_pass())
+        opt = service.training.submit(tenant, run_id, seq + 1, OptimStep(AdamParams(learning_rate=lr)))
         losses.append(result_of(service, fb, tenant).result.metrics["loss:sum"])  # type: ignore[union-attr]
         assert result_of(service, opt, tenant).status == "complete"
         seq += 2

@@ -1,11 +1,11 @@
-"""Checkpoints, resume, restart recovery and lease parking, through the TrainingService and fake engine."""
+"""Checkpoints, resume, restart recovery and lease parking, through the Runtime and fake engine."""
 
 from __future__ import annotations
 
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.control.service import RESTART_ERROR
+from loraplex.runtime.control.recovery import RESTART_ERROR
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import CreateRunFromCheckpoint, SaveSnapshot, SaveState
 from tests.fakes import FakeEngine
@@ -13,12 +13,14 @@ from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
 
 
 def _save(service, run: str, seq: int, name: str, overwrite: bool = False):
-    return result_of(service, service.submit("local", run, seq, SaveState(name, overwrite=overwrite)))
+    return result_of(
+        service, service.training.submit("local", run, seq, SaveState(name, overwrite=overwrite))
+    )
 
 
 def _resume(service, path: str, with_optimizer: bool = True, tenant: str = "local") -> str:
     session = service.sessions.create(tenant, {})
-    record = service.create_run(
+    record = service.training.create_run(
         tenant, session, 0, CreateRunFromCheckpoint(CheckpointPath.parse(path), with_optimizer)
     )
     assert result_of(service, record, tenant).status == "complete"
@@ -74,13 +76,13 @@ def test_loading_another_tenants_checkpoint_looks_like_a_missing_one(service_fac
 
 
 def _save_as(service, tenant: str, run: str, name: str) -> str:
-    return result_of(service, service.submit(tenant, run, 1, SaveState(name)), tenant).result["path"]
+    return result_of(service, service.training.submit(tenant, run, 1, SaveState(name)), tenant).result["path"]
 
 
 def test_optimizer_state_cannot_be_loaded_from_a_sampler_checkpoint(service_factory) -> None:
     service = service_factory()
     run = create_run(service)
-    path = result_of(service, service.submit("local", run, 1, SaveSnapshot("s1"))).result["path"]
+    path = result_of(service, service.training.submit("local", run, 1, SaveSnapshot("s1"))).result["path"]
     assert path == f"tinker://{run}/sampler_weights/s1"
     with pytest.raises(UserError, match="holds no optimizer state"):
         _resume(service, path)
@@ -91,7 +93,9 @@ def test_an_unnamed_sampler_save_opens_a_sampling_session_over_a_snapshot(servic
     service = service_factory()
     run = create_run(service)
     sampler_id = run.replace(":train:0", ":sample:0")
-    record = result_of(service, service.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler_id)))
+    record = result_of(
+        service, service.training.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler_id))
+    )
     assert record.result == {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
     assert service.catalog.sampler("local", sampler_id).base_model == "fake/bigram"
     assert (service.config.data_dir / "snapshots" / sampler_id / "state.npz").exists()
@@ -112,19 +116,21 @@ def test_after_a_restart_finished_results_remain_and_in_flight_requests_fail_as_
 ) -> None:
     before = service_factory()
     run = create_run(before)
-    done = before.submit("local", run, 1, sft_pass())
+    done = before.training.submit("local", run, 1, sft_pass())
     loss = result_of(before, done).result.metrics["loss:sum"]
     path = _save(before, run, 2, "ckpt").result["path"]
     before.engine_loop.stop()  # the process "dies" with seq 3 queued
-    in_flight = before.submit("local", run, 3, sft_pass())
+    in_flight = before.training.submit("local", run, 3, sft_pass())
     before.store.close()
 
     after = service_factory()
     assert result_of(after, done).result.metrics["loss:sum"] == loss
     lost = result_of(after, in_flight)
     assert (lost.category, lost.error) == ("server", RESTART_ERROR)
-    assert after.submit("local", run, 3, sft_pass()).id == in_flight.id  # a resend finds the first future
-    on_lost_run = result_of(after, after.submit("local", run, 4, sft_pass()))
+    assert (
+        after.training.submit("local", run, 3, sft_pass()).id == in_flight.id
+    )  # a resend finds the first future
+    on_lost_run = result_of(after, after.training.submit("local", run, 4, sft_pass()))
     assert "lost its live state" in on_lost_run.error
     assert [r.run_id for r in after.catalog.runs("local", 10, 0)[0]] == [run]
     assert train_steps(after, _resume(after, path), 1)[0] == pytest.approx(loss)

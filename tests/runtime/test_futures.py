@@ -1,5 +1,6 @@
-"""FutureTable: outcomes of a fused pass are written in one transaction, wake their waiters, and read back
-the same from the database after a restart; a run's future stamps the run's last request time."""
+"""FutureTable and the writer: outcomes of a fused pass are written in one transaction, wake their waiters,
+and read back the same from the database after a restart; a run's future stamps the run's last request
+time."""
 
 from __future__ import annotations
 
@@ -14,27 +15,33 @@ from sqlalchemy import event
 from loraplex.errors import UserError
 from loraplex.runtime.control.futures import FutureTable
 from loraplex.runtime.control.store import Store
+from loraplex.runtime.control.store.repository import Batch
 from loraplex.runtime.control.store.schema import RunRow
+from loraplex.runtime.control.writer import JournalWriter
+from loraplex.runtime.core.journal import Record
 
 
 def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    futures = FutureTable(Store(url), 3600.0)
+    store = Store(url)
+    futures = FutureTable(store, 3600.0)
+    writer = JournalWriter(store, futures)
+    writer.start()
     ok, user, server = (futures.create("alice", "forward_backward", "r", seq) for seq in (1, 2, 3))
 
     async def wait_for_all() -> list[str]:
         waits = [asyncio.create_task(futures.wait(f.id, "alice", timeout_s=5)) for f in (ok, user, server)]
         await asyncio.sleep(0.01)  # every waiter registered before the outcomes land
-        futures.finish(
-            {
-                ok.id: {"metrics": {"loss:sum": 1.5}},
-                user.id: UserError("bad datum 3"),
-                server.id: RuntimeError(),
-            }
-        )
+        outcomes = {
+            ok.id: {"metrics": {"loss:sum": 1.5}},
+            user.id: UserError("bad datum 3"),
+            server.id: RuntimeError(),
+        }
+        writer.append(Record(outcomes))  # type: ignore[arg-type]
         return [record.status for record in await asyncio.gather(*waits)]
 
     assert asyncio.run(wait_for_all()) == ["complete", "failed", "failed"]
+    writer.close()
     reread = FutureTable(Store(url), 3600.0)  # a restart: the records come from the database
     outcomes = [reread.get(f.id, "alice") for f in (ok, user, server)]
     assert outcomes[0].result == {"metrics": {"loss:sum": 1.5}}
@@ -47,18 +54,17 @@ def test_finish_writes_every_outcome_at_once_and_wakes_the_waiters(tmp_path: Pat
 def test_a_runs_future_stamps_the_runs_last_request_time(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
     created = datetime(2026, 1, 1, tzinfo=UTC)
-    store.add_run(
-        RunRow(
-            id="s:train:0",
-            tenant="alice",
-            session_id="s",
-            base_model="m",
-            lora_config={},
-            status="live",
-            created_at=created,
-            last_request_at=created,
-        )
+    row = RunRow(
+        id="s:train:0",
+        tenant="alice",
+        session_id="s",
+        base_model="m",
+        lora_config={},
+        status="live",
+        created_at=created,
+        last_request_at=created,
     )
+    store.write_batch(Batch(runs=[row]))
     record = FutureTable(store, 3600.0).create("alice", "optim_step", "s:train:0", 1)
     row = store.get_run("s:train:0")
     assert row is not None and row.last_request_at.replace(tzinfo=UTC) > created
@@ -77,13 +83,16 @@ def test_concurrent_writers_queue_on_the_store_never_on_sqlites_lock(tmp_path: P
 
     store._engine.dispose()  # every connection from now on is made with the listener above
     futures = FutureTable(store, 3600.0)
+    journal = JournalWriter(store, futures)
+    journal.start()
 
     def submit_and_finish(writer: int) -> None:
         for seq in range(40):
             record = futures.create("alice", "forward_backward", f"run-{writer}", seq)
-            futures.finish({record.id: {"metrics": {"loss:sum": float(seq)}}})
+            journal.append(Record({record.id: {"metrics": {"loss:sum": float(seq)}}}))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(submit_and_finish, range(8)))
+    journal.close()  # everything appended is written
     assert store.count_futures() == 8 * 40
     assert futures.pending_count() == 0

@@ -1,6 +1,6 @@
-"""Metric history: every training request's metrics are kept per run and step, written in batches, and
-retention keeps the table bounded (per run, and by how long ago a run was used). The store's queries run
-on SQLite and on PostgreSQL (Debian's server, which .ci/run installs)."""
+"""Metric history: every training request's metrics are kept per run and step, written with the request's
+outcome, and retention keeps the table bounded (per run, and by how long ago a run was used). The store's
+queries run on SQLite and on PostgreSQL (Debian's server, which .ci/run installs)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 
 from loraplex.cli import main
-from loraplex.engine.types import LoraConfig
+from loraplex.engine.types import LoraConfig, PassResult
+from loraplex.runtime.control.futures import FutureTable
 from loraplex.runtime.control.retention import Retention, RetentionPolicy
-from loraplex.runtime.control.store import Store, utcnow
+from loraplex.runtime.control.store import Store
+from loraplex.runtime.control.store.repository import Batch
 from loraplex.runtime.control.store.schema import RunRow
+from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout
+from loraplex.runtime.core.journal import FORWARD_BACKWARD, MetricsRecorded, Record
 from loraplex.runtime.observability.history import MetricHistory
+from loraplex.timestamps import utcnow
 from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
 
 
@@ -47,7 +52,6 @@ def test_each_step_records_its_loss_grad_norm_and_learning_rate_under_its_number
     service = service_factory()
     run = create_run(service)
     losses = train_steps(service, run, 3, lr=0.05)
-    service.history.flush()
     series = _series(service.history, run)
     assert series["forward_backward", "loss:sum"] == [(1, losses[0]), (2, losses[1]), (3, losses[2])]
     assert [step for step, _ in series["optim_step", "grad_norm"]] == [1, 2, 3]
@@ -59,9 +63,8 @@ def test_a_forward_is_recorded_under_the_steps_already_taken(service_factory) ->
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 2)
-    evaluation = service.submit("local", run, 5, sft_pass(forward_only=True))
+    evaluation = service.training.submit("local", run, 5, sft_pass(forward_only=True))
     loss = result_of(service, evaluation).result.metrics["loss:sum"]  # type: ignore[union-attr]
-    service.history.flush()
     assert _series(service.history, run)["forward", "loss:sum"] == [(2, loss)]
 
 
@@ -69,30 +72,39 @@ def test_a_restarted_run_numbers_its_steps_on_from_where_it_stopped(service_fact
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 2)
-    service.stop()  # parks the run and writes what history it still held
+    service.stop()  # parks the run
     after = service_factory(subdir="data")
     train_steps(after, run, 1, first_seq=5)
-    after.history.flush()
     steps = [step for step, _ in _series(after.history, run)["forward_backward", "loss:sum"]]
     assert steps == [1, 2, 3]
 
 
-def test_records_wait_for_the_next_flush_and_a_refusing_database_keeps_them(store: Store) -> None:
-    now = [0.0]
-    history = MetricHistory(store, flush_s=0.5, clock=lambda: now[0])
-    history.record("r:train:0", 1, 1, "forward_backward", {"loss:sum": 2.0, "nan": float("nan")})
-    history.flush_if_due()  # too early: nothing written
-    assert store.count_metrics() == 0
-    real_add = store.add_metrics
-    store.add_metrics = lambda *_: (_ for _ in ()).throw(OSError("disk full"))  # type: ignore[method-assign]
-    now[0] = 1.0
-    history.flush_if_due()
-    assert store.count_metrics() == 0
-    store.add_metrics = real_add  # type: ignore[method-assign]
-    history.flush()
-    assert [(s.kind, s.name, s.points) for s in history.series("r:train:0")] == [
-        ("forward_backward", "loss:sum", ((1, 2.0),))  # the non-finite value is left out
+def test_a_requests_metrics_are_written_with_its_outcome_and_a_refused_write_keeps_neither(
+    store: Store,
+) -> None:
+    futures = FutureTable(store, 3600.0)
+    writer = JournalWriter(store, futures, retry_pauses_s=())
+    writer.start()
+    refused, kept = (futures.create("t", "ForwardBackward", "r:train:0", seq) for seq in (1, 2))
+
+    def record(future_id: str, seq: int) -> Record:
+        metrics = {"loss:sum": 2.0 * seq, "nan": float("nan")}
+        return Record(
+            {future_id: PassResult([], metrics)},
+            [MetricsRecorded("r:train:0", seq, seq, FORWARD_BACKWARD, metrics)],
+        )
+
+    real_write = store.write_batch
+    store.write_batch = lambda *_: (_ for _ in ()).throw(OSError("disk full"))  # type: ignore[method-assign]
+    assert not writer.append(record(refused.id, 1)).wait()
+    assert futures.get(refused.id, "t").category == "server" and store.count_metrics() == 0
+    store.write_batch = real_write  # type: ignore[method-assign]
+    assert writer.append(record(kept.id, 2)).wait()
+    assert futures.get(kept.id, "t").status == "complete"
+    assert [(s.kind, s.name, s.points) for s in MetricHistory(store).series("r:train:0")] == [
+        ("forward_backward", "loss:sum", ((2, 4.0),))  # the non-finite value is left out
     ]
+    writer.close()
 
 
 def test_a_long_history_is_thinned_for_charts_keeping_its_last_point(store: Store) -> None:
@@ -146,7 +158,7 @@ def test_the_engine_loop_writes_history_within_moments_without_being_asked(servi
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 1)
-    _wait_for(lambda: service.store.count_metrics() == 2)  # flushed every 0.5 s, idle or not
+    _wait_for(lambda: service.store.count_metrics() == 2)  # written with the outcomes, idle or not
 
 
 def _wait_for(predicate, timeout_s: float = 5.0) -> None:
@@ -157,19 +169,18 @@ def _wait_for(predicate, timeout_s: float = 5.0) -> None:
 
 
 def _add_run(store: Store, run_id: str, last_request_at) -> None:
-    store.add_run(
-        RunRow(
-            id=run_id,
-            session_id=run_id.split(":")[0],
-            tenant="t",
-            base_model="m",
-            lora_config=vars(LoraConfig(rank=4)),
-            user_metadata={},
-            status="parked",
-            created_at=last_request_at,
-            last_request_at=last_request_at,
-        )
+    row = RunRow(
+        id=run_id,
+        session_id=run_id.split(":")[0],
+        tenant="t",
+        base_model="m",
+        lora_config=vars(LoraConfig(rank=4)),
+        user_metadata={},
+        status="parked",
+        created_at=last_request_at,
+        last_request_at=last_request_at,
     )
+    store.write_batch(Batch(runs=[row]))
 
 
 def _add_history(store: Store, run_id: str, steps: int) -> None:
@@ -185,4 +196,4 @@ def _add_history(store: Store, run_id: str, steps: int) -> None:
         }
         for step in range(1, steps + 1)
     ]
-    store.add_metrics(rows, {run_id: steps})
+    store.write_batch(Batch(metrics=rows, last_steps={run_id: steps}))

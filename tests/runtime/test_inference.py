@@ -1,5 +1,5 @@
 """InferenceService over the fake engine: model names, aliases, samplers, and results equal to
-TrainingService.sample's for the same request."""
+Runtime.sample's for the same request."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from loraplex.errors import UserError
 from loraplex.model.tiny import ensure_tiny_model
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.aliases import AliasTable
-from loraplex.runtime.control.service import TrainingService
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import SaveSnapshot
 from loraplex.runtime.core.sampling import SampleRequest, SamplingParams
@@ -32,18 +32,28 @@ def codec(tmp_path_factory: pytest.TempPathFactory) -> TextCodec:
 
 
 @pytest.fixture
-def service(service_factory) -> TrainingService:
+def service(service_factory) -> Runtime:
     return service_factory()
 
 
 @pytest.fixture
-def inference(service: TrainingService, codec: TextCodec, tmp_path: Path) -> InferenceService:
-    return InferenceService(service, AliasTable(tmp_path), codec)
+def inference(service: Runtime, codec: TextCodec, tmp_path: Path) -> InferenceService:
+    return InferenceService(
+        service.info,
+        service.samplers,
+        service.futures,
+        service.sessions,
+        service.catalog,
+        AliasTable(tmp_path),
+        codec,
+    )
 
 
-def _snapshot(service: TrainingService, tenant: str = "local", name: str = "snap") -> str:
+def _snapshot(service: Runtime, tenant: str = "local", name: str = "snap") -> str:
     run = create_run(service, tenant)
-    return result_of(service, service.submit(tenant, run, 1, SaveSnapshot(name)), tenant).result["path"]
+    return result_of(service, service.training.submit(tenant, run, 1, SaveSnapshot(name)), tenant).result[
+        "path"
+    ]
 
 
 def _complete(inference: InferenceService, model: str, tenant: str = "local", **fields) -> list:
@@ -52,13 +62,13 @@ def _complete(inference: InferenceService, model: str, tenant: str = "local", **
 
 
 def test_a_completion_returns_what_training_service_sample_returns_for_the_same_request(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     (completion,) = _complete(inference, "fake/bigram", n=2)
     session = service.sessions.create("local", {})
-    sampler = service.create_sampler("local", session, 0, None, "fake/bigram")
+    sampler = service.samplers.create_sampler("local", session, 0, None, "fake/bigram")
     request = SampleRequest(np.array(PROMPT), PARAMS, num_samples=2)
-    expected = result_of(service, service.sample("local", sampler, 0, request)).result.sequences
+    expected = result_of(service, service.samplers.sample("local", sampler, 0, request)).result.sequences
     assert [[t.token_id for t in c.tokens] for c in completion.choices] == [
         s.tokens.tolist() for s in expected
     ]
@@ -75,7 +85,7 @@ def test_max_tokens_0_scores_the_prompt_and_samples_nothing(inference: Inference
 
 
 def test_model_names_resolve_to_the_base_model_own_checkpoints_and_own_aliases(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     path = _snapshot(service)
     asyncio.run(inference.set_alias("local", "mine", path))
@@ -90,7 +100,7 @@ def test_model_names_resolve_to_the_base_model_own_checkpoints_and_own_aliases(
 
 
 def test_an_alias_must_name_a_checkpoint_the_tenant_owns(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     path = _snapshot(service, "other")
     with pytest.raises(ModelNotFoundError):
@@ -103,19 +113,18 @@ def test_an_alias_must_name_a_checkpoint_the_tenant_owns(
 
 
 def test_a_sampler_that_retention_removed_is_made_again_on_the_next_request(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     path = _snapshot(service)
     first = _complete(inference, path)
     (sampler,) = inference._samplers.values()
-    service.store.delete_sampler(sampler)
+    row = service.store.get_sampler(sampler)
+    assert row is not None and service.store.delete_unused_sampler(sampler, row.last_used_at)
     assert _complete(inference, path)[0].choices == first[0].choices  # seeded: the same sample again
     assert list(inference._samplers.values()) != [sampler]
 
 
-def test_a_deleted_checkpoint_is_an_unknown_model(
-    service: TrainingService, inference: InferenceService
-) -> None:
+def test_a_deleted_checkpoint_is_an_unknown_model(service: Runtime, inference: InferenceService) -> None:
     path = _snapshot(service)
     _complete(inference, path)
     service.catalog.delete_checkpoint("local", CheckpointPath.parse(path))
@@ -124,7 +133,7 @@ def test_a_deleted_checkpoint_is_an_unknown_model(
 
 
 def test_models_are_the_base_model_the_tenants_sampler_checkpoints_and_its_aliases(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     path = _snapshot(service)
     _snapshot(service, "other", "theirs")
@@ -138,7 +147,7 @@ def test_models_are_the_base_model_the_tenants_sampler_checkpoints_and_its_alias
 
 
 def test_another_tenants_published_sampler_checkpoint_is_listed_and_served_until_unpublished(
-    service: TrainingService, inference: InferenceService
+    service: Runtime, inference: InferenceService
 ) -> None:
     theirs = _snapshot(service, "other", "shared")
     with pytest.raises(ModelNotFoundError):

@@ -67,7 +67,9 @@ def test_the_service_reports_a_checkpoint_save_for_its_run(service_factory) -> N
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 1)
-    assert result_of(service, service.submit("local", run, 3, SaveState("kept"))).status == "complete"
+    assert (
+        result_of(service, service.training.submit("local", run, 3, SaveState("kept"))).status == "complete"
+    )
     saves = [p for p in service.progress.finished() if p.kind == "save checkpoint"]
     assert [(p.subject, p.tenant, p.outcome) for p in saves] == [
         (f"tinker://{run}/weights/kept", "local", DONE)

@@ -1,4 +1,4 @@
-"""Slot residency and a worker that keeps going, through the TrainingService over the fake engine: more
+"""Slot residency and a worker that keeps going, through the Runtime over the fake engine: more
 runs than slots all finish with what each gets alone; gradients not yet stepped pin a run to its slot
 until a waiter has waited slot_wait_s, and a forced park keeps them exactly; work whose result the
 database refuses fails alone and is taken back; two copies of one create_model share one future."""
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from loraplex.engine.types import AdamParams, LoraConfig
-from loraplex.runtime.control import futures as futures_module
+from loraplex.runtime.assembly import Runtime
+from loraplex.runtime.control import writer as writer_module
 from loraplex.runtime.control.futures import FutureRecord
-from loraplex.runtime.control.service import TrainingService
 from loraplex.runtime.core.commands import CreateRun, OptimStep
 from tests.fakes import FakeEngine
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass
@@ -28,17 +28,17 @@ def _phrase(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(PHRASE)
 
 
-def _submit_rounds(service: TrainingService, run: str, seed: int, rounds: int) -> list[FutureRecord]:
+def _submit_rounds(service: Runtime, run: str, seed: int, rounds: int) -> list[FutureRecord]:
     """`rounds` x (forward_backward, forward_backward, optim_step), all submitted at once."""
     records, seq = [], 1
     for _ in range(rounds):
         for command in (sft_pass(_phrase(seed)), sft_pass(_phrase(seed + 100)), OptimStep(AdamParams(LR))):
-            records.append(service.submit("local", run, seq, command))
+            records.append(service.training.submit("local", run, seq, command))
             seq += 1
     return records
 
 
-def _outcomes(service: TrainingService, records: list[FutureRecord]) -> list[dict[str, float]]:
+def _outcomes(service: Runtime, records: list[FutureRecord]) -> list[dict[str, float]]:
     """Each request's metrics (loss:sum of a pass, grad_norm of a step); fails on any failed request."""
     out = []
     for record in records:
@@ -49,7 +49,7 @@ def _outcomes(service: TrainingService, records: list[FutureRecord]) -> list[dic
     return out
 
 
-def _count_parks(service: TrainingService, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, float]]:
+def _count_parks(service: Runtime, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool, float]]:
     """Record every park the worker makes: (run id, whether it held gradients, time.monotonic())."""
     parks: list[tuple[str, bool, float]] = []
     executor = service.engine_loop.executor
@@ -93,14 +93,16 @@ def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_
     service = service_factory(engine, slot_wait_s=1.0)
     a = create_run(service, seed=1)
     parks = _count_parks(service, monkeypatch)
-    first = _outcomes(service, [service.submit("local", a, 1, sft_pass(_phrase(1)))])
-    a_state = service._runs[a]
+    first = _outcomes(service, [service.training.submit("local", a, 1, sft_pass(_phrase(1)))])
+    a_state = service.state.runs[a]
     assert a_state.pending_gradients and a_state.slot is not None
 
     session = service.sessions.create("local", {})
     asked_at = time.monotonic()
-    create_b = service.create_run("local", session, 0, CreateRun(LoraConfig(rank=4, seed=2), "fake/bigram"))
-    b_state = service._runs[f"{session}:train:0"]
+    create_b = service.training.create_run(
+        "local", session, 0, CreateRun(LoraConfig(rank=4, seed=2), "fake/bigram")
+    )
+    b_state = service.state.runs[f"{session}:train:0"]
     _wait_until(lambda: b_state.waiting_since is not None)  # the scheduler has seen b wait for a slot
     assert a_state.slot is not None and parks == []  # ... and a, holding gradients, keeps its slot
     assert result_of(service, create_b).status == "complete"
@@ -113,8 +115,8 @@ def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_
     later = _outcomes(
         service,
         [
-            service.submit("local", a, 2, OptimStep(AdamParams(LR))),
-            service.submit("local", a, 3, sft_pass(_phrase(1))),
+            service.training.submit("local", a, 2, OptimStep(AdamParams(LR))),
+            service.training.submit("local", a, 3, sft_pass(_phrase(1))),
         ],
     )
     reference = service_factory(subdir="reference")
@@ -122,28 +124,29 @@ def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_
     expected = _outcomes(
         reference,
         [
-            reference.submit("local", r, 1, sft_pass(_phrase(1))),
-            reference.submit("local", r, 2, OptimStep(AdamParams(LR))),
-            reference.submit("local", r, 3, sft_pass(_phrase(1))),
+            reference.training.submit("local", r, 1, sft_pass(_phrase(1))),
+            reference.training.submit("local", r, 2, OptimStep(AdamParams(LR))),
+            reference.training.submit("local", r, 3, sft_pass(_phrase(1))),
         ],
     )
     assert first + later == expected
     assert expected[1]["grad_norm"] > 0
 
 
-def _refuse_to_record(
-    service: TrainingService, monkeypatch: pytest.MonkeyPatch, doomed: str
-) -> list[list[str]]:
-    """Make the database refuse every write of `doomed`'s outcome; the attempts it saw."""
-    original, attempts = service.store.finish_futures, []
+def _refuse_to_record(service: Runtime, monkeypatch: pytest.MonkeyPatch, doomed: str) -> list[list[str]]:
+    """Make the database refuse every write of `doomed`'s outcome; the attempts it saw to write the outcome
+    (not those to write, later, that it failed)."""
+    original, attempts = service.store.write_batch, []
 
-    def refusing(rows):
+    def refusing(batch):
+        rows = batch.outcomes
         if any(row.id == doomed for row in rows):
-            attempts.append([row.id for row in rows])
+            if any(row.id == doomed and row.status == "complete" for row in rows):
+                attempts.append([row.id for row in rows])
             raise RuntimeError("disk I/O error (injected)")
-        return original(rows)
+        return original(batch)
 
-    monkeypatch.setattr(service.store, "finish_futures", refusing)
+    monkeypatch.setattr(service.store, "write_batch", refusing)
     return attempts
 
 
@@ -151,15 +154,17 @@ def _refuse_to_record(
 def test_work_whose_result_the_database_refuses_fails_alone_is_taken_back_and_its_retry_counts_once(
     service_factory, monkeypatch, refused: str
 ) -> None:
-    monkeypatch.setattr(futures_module, "_WRITE_RETRY_PAUSES_S", (0.01, 0.02))
+    monkeypatch.setattr(writer_module, "RETRY_PAUSES_S", (0.01, 0.02))
     service = service_factory()
     run = create_run(service)
     commands = [sft_pass(), OptimStep(AdamParams(LR)), sft_pass()]
     doomed_at = 0 if refused == "forward_backward" else 1
-    records = [service.submit("local", run, seq, cmd) for seq, cmd in enumerate(commands[:doomed_at], 1)]
+    records = [
+        service.training.submit("local", run, seq, cmd) for seq, cmd in enumerate(commands[:doomed_at], 1)
+    ]
     _outcomes(service, records)
     with held(service):  # the worker cannot finish it before the fault is armed
-        doomed = service.submit("local", run, doomed_at + 1, commands[doomed_at])
+        doomed = service.training.submit("local", run, doomed_at + 1, commands[doomed_at])
         attempts = _refuse_to_record(service, monkeypatch, doomed.id)
 
     failed = result_of(service, doomed)
@@ -176,11 +181,13 @@ def test_work_whose_result_the_database_refuses_fails_alone_is_taken_back_and_it
     seq = doomed_at + 2
     retried = []
     for command in commands[doomed_at:]:
-        retried.append(service.submit("local", run, seq, command))
+        retried.append(service.training.submit("local", run, seq, command))
         seq += 1
     reference = service_factory(subdir="reference")
     r = create_run(reference, seed=1)
-    expected = _outcomes(reference, [reference.submit("local", r, i, c) for i, c in enumerate(commands, 1)])
+    expected = _outcomes(
+        reference, [reference.training.submit("local", r, i, c) for i, c in enumerate(commands, 1)]
+    )
     assert _outcomes(service, records + retried) == expected
     assert expected[1]["grad_norm"] > 0
     assert service.store.get_future(retried[-1].id).status == "complete"
@@ -191,19 +198,20 @@ def test_two_racing_copies_of_one_create_model_share_one_future_and_one_slot(
 ) -> None:
     engine = FakeEngine(max_slots=4)
     service = service_factory(engine)
-    check_new_run, both_checked = service._check_new_run, threading.Barrier(2)
+    check_new_run, both_checked = service.training._checked_new_run, threading.Barrier(2)
 
-    def checked_together(*args) -> None:  # both copies found no run by that id and are about to create it
-        check_new_run(*args)
+    def checked_together(*args):  # both copies found no run by that id and are about to create it
+        checked = check_new_run(*args)
         both_checked.wait(timeout=5)
+        return checked
 
-    monkeypatch.setattr(service, "_check_new_run", checked_together)
+    monkeypatch.setattr(service.training, "_checked_new_run", checked_together)
     for _ in range(3):
         session = service.sessions.create("local", {})
 
         def copy(session: str = session) -> FutureRecord:
             command = CreateRun(LoraConfig(rank=4, seed=7), "fake/bigram")
-            return service.create_run("local", session, 0, command)
+            return service.training.create_run("local", session, 0, command)
 
         with ThreadPoolExecutor(2) as pool:
             first, second = (f.result() for f in [pool.submit(copy), pool.submit(copy)])

@@ -11,10 +11,10 @@ import pytest
 from loraplex.cli import main
 from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
 from loraplex.errors import NotFoundError
-from loraplex.runtime.control.store import utcnow
 from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import LoadState, OptimStep, SaveSnapshot, SaveState
+from loraplex.timestamps import utcnow
 from tests.runtime.conftest import PHRASE, create_run, result_of, sft_pass, train_steps
 
 SHORT = {"future_retention_s": 0.3, "snapshot_idle_s": 0.2, "retention_sweep_s": 0.05}
@@ -36,7 +36,7 @@ def test_a_result_is_pruned_after_the_window_with_a_clear_error_and_the_run_resu
 ) -> None:
     service = service_factory(session_timeout_s=0.3, **SHORT)
     run = create_run(service)
-    first = service.submit("local", run, 1, sft_pass())
+    first = service.training.submit("local", run, 1, sft_pass())
     assert result_of(service, first).status == "complete"
     train_steps(service, run, 2, first_seq=2)  # seq 2..5
     _wait_until(lambda: service.store.count_futures() == 0)  # every finished result aged out
@@ -59,14 +59,14 @@ def test_a_150_step_rl_loop_keeps_snapshots_results_and_the_data_dir_bounded(
     counts: list[tuple[int, int, int]] = []
     for step in range(150):
         seq = 1 + 3 * step
-        service.submit("local", run, seq, sft_pass())
-        service.submit("local", run, seq + 1, OptimStep(AdamParams(learning_rate=0.01)))
-        session = service.run_state("local", run).session_id
+        service.training.submit("local", run, seq, sft_pass())
+        service.training.submit("local", run, seq + 1, OptimStep(AdamParams(learning_rate=0.01)))
+        session = service.training.run_state("local", run).session_id
         sampler = f"{session}:sample:{step}"
-        saved = service.submit("local", run, seq + 2, SaveSnapshot(None, sampler))
+        saved = service.training.submit("local", run, seq + 2, SaveSnapshot(None, sampler))
         assert result_of(service, saved).status == "complete"
         request = SampleRequest(PHRASE, SamplingParams(max_tokens=4, seed=step), 2)
-        assert result_of(service, service.sample("local", sampler, 0, request)).status == "complete"
+        assert result_of(service, service.samplers.sample("local", sampler, 0, request)).status == "complete"
         if step % 10 == 9:
             snapshots = len(list((tmp_path / "data" / "snapshots").iterdir()))
             counts.append((snapshots, service.store.count_futures(), _dir_size(tmp_path / "data")))
@@ -85,18 +85,18 @@ def test_a_checkpoint_past_its_ttl_is_deleted_unless_a_queued_load_reads_it(
 ) -> None:
     service = service_factory(retention_sweep_s=0.05)
     run = create_run(service)
-    short = result_of(service, service.submit("local", run, 1, SaveState("short", ttl_seconds=1)))
-    kept = result_of(service, service.submit("local", run, 2, SaveState("kept", ttl_seconds=1)))
+    short = result_of(service, service.training.submit("local", run, 1, SaveState("short", ttl_seconds=1)))
+    kept = result_of(service, service.training.submit("local", run, 2, SaveState("kept", ttl_seconds=1)))
     assert short.status == kept.status == "complete"
     kept_path = CheckpointPath.parse(kept.result["path"])
     # A load of `kept` waits behind seq 3, which has not arrived: it reads the checkpoint later.
-    load = service.submit("local", run, 4, LoadState(kept_path, with_optimizer=True))
+    load = service.training.submit("local", run, 4, LoadState(kept_path, with_optimizer=True))
     checkpoints = tmp_path / "data" / "checkpoints" / run / "weights"
     _wait_until(lambda: not (checkpoints / "short").exists())
     assert [v.path.name for v in service.catalog.checkpoints("local", run)] == ["kept"]
     time.sleep(0.2)  # several more sweeps
     assert (checkpoints / "kept").is_dir()
-    assert result_of(service, service.submit("local", run, 3, sft_pass())).status == "complete"
+    assert result_of(service, service.training.submit("local", run, 3, sft_pass())).status == "complete"
     assert result_of(service, load).status == "complete"  # loaded whole, then free to go
     _wait_until(lambda: not (checkpoints / "kept").exists())
 
@@ -106,7 +106,9 @@ def test_start_up_removes_what_a_crash_during_a_save_left_and_restores_a_set_asi
 ) -> None:
     service = service_factory()
     run = create_run(service)
-    assert result_of(service, service.submit("local", run, 1, SaveState("ckpt"))).status == "complete"
+    assert (
+        result_of(service, service.training.submit("local", run, 1, SaveState("ckpt"))).status == "complete"
+    )
     service.stop()
     weights = tmp_path / "data" / "checkpoints" / run / "weights"
     (weights / ".half.tmp-abc123").mkdir()  # a save that died while writing
@@ -140,7 +142,7 @@ def test_ten_thousand_idle_runs_are_not_planned_over(service_factory, tmp_path, 
     first.stop()
 
     service = service_factory(subdir="data")
-    assert len(service._runs) == 10_000  # all known (lost: their parked state is not on disk)
+    assert len(service.state.runs) == 10_000  # all known (lost: their parked state is not on disk)
     planned: list[int] = []
     plan = service.engine_loop.scheduler.plan
 
@@ -161,7 +163,7 @@ def test_doctor_reports_usage_by_kind_and_what_retention_would_remove(
     service = service_factory()
     run = create_run(service)
     assert (
-        result_of(service, service.submit("local", run, 1, SaveState("gone", ttl_seconds=1))).status
+        result_of(service, service.training.submit("local", run, 1, SaveState("gone", ttl_seconds=1))).status
         == "complete"
     )
     train_steps(service, run, 1, first_seq=2)

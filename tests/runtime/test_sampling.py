@@ -1,4 +1,4 @@
-"""Sampling through the TrainingService and fake engine: futures, idempotency, ownership, backpressure,
+"""Sampling through the Runtime and fake engine: futures, idempotency, ownership, backpressure,
 snapshots of every kind, interleaving with training, restarts."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.control.service import RESTART_ERROR
+from loraplex.runtime.control.recovery import RESTART_ERROR
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import OptimStep, SaveSnapshot, SaveState
 from loraplex.runtime.core.sampling import SamplingBackpressureError
@@ -32,9 +32,9 @@ class StepwiseEngine(FakeEngine):
         self.events.append("pass")
         return super().run_pass(requests, keep_undo)
 
-    def optim_step(self, steps, keep_undo=False):
+    def apply_step(self, prepared):
         self.events.append("optim")
-        return super().optim_step(steps, keep_undo)
+        return super().apply_step(prepared)
 
     def add_sample(self, key, request):
         self.events.append("add")
@@ -56,22 +56,22 @@ def _request(num_samples: int = 2, max_tokens: int = 4, seed: int = 1) -> Sample
 
 def _base_sampler(service, tenant: str = "local") -> str:
     session = service.sessions.create(tenant, {})
-    return service.create_sampler(tenant, session, 0, None, service.info.model_name)
+    return service.samplers.create_sampler(tenant, session, 0, None, service.info.model_name)
 
 
 def _sampler_over(service, path: str) -> str:
     session = service.sessions.create("local", {})
-    return service.create_sampler("local", session, 0, path, None)
+    return service.samplers.create_sampler("local", session, 0, path, None)
 
 
 def _tokens(service, sampler: str, seq_id: int = 0, **request) -> list[list[int]]:
-    result = result_of(service, service.sample("local", sampler, seq_id, _request(**request))).result
+    result = result_of(service, service.samplers.sample("local", sampler, seq_id, _request(**request))).result
     return [s.tokens.tolist() for s in result.sequences]
 
 
 def test_asample_completes_with_num_samples_sequences_each_with_per_token_logprobs(service_factory) -> None:
     service = service_factory()
-    record = result_of(service, service.sample("local", _base_sampler(service), 0, _request(3, 5)))
+    record = result_of(service, service.samplers.sample("local", _base_sampler(service), 0, _request(3, 5)))
     assert record.request_type == "Sample" and record.status == "complete"
     sequences = record.result.sequences
     assert [(len(s.tokens), len(s.logprobs), s.stop_reason) for s in sequences] == [(5, 5, "length")] * 3
@@ -83,18 +83,20 @@ def test_a_resent_sampler_seq_id_returns_the_first_future_and_samples_once(servi
     service = service_factory(engine)
     sampler = _base_sampler(service)
     with held(service):
-        first = service.sample("local", sampler, 7, _request())
-        again = service.sample("local", sampler, 7, _request())
+        first = service.samplers.sample("local", sampler, 7, _request())
+        again = service.samplers.sample("local", sampler, 7, _request())
     assert again.id == first.id
     result_of(service, first)
-    assert service.sample("local", sampler, 7, _request()).id == first.id  # also once it has finished
+    assert (
+        service.samplers.sample("local", sampler, 7, _request()).id == first.id
+    )  # also once it has finished
     assert engine.events.count("add") == 1
 
 
 def test_sampling_seq_ids_may_have_gaps_and_each_id_is_its_own_request(service_factory) -> None:
     service = service_factory()
     sampler = _base_sampler(service)
-    ids = {service.sample("local", sampler, seq, _request()).id for seq in (0, 5, 10**18)}
+    ids = {service.samplers.sample("local", sampler, seq, _request()).id for seq in (0, 5, 10**18)}
     assert len(ids) == 3
 
 
@@ -102,8 +104,8 @@ def test_another_tenants_sampler_looks_like_a_missing_one(service_factory) -> No
     service = service_factory()
     sampler = _base_sampler(service, "alice")
     with pytest.raises(NotFoundError, match="not found"):
-        service.sample("mallory", sampler, 0, _request())
-    record = service.sample("alice", sampler, 0, _request())
+        service.samplers.sample("mallory", sampler, 0, _request())
+    record = service.samplers.sample("alice", sampler, 0, _request())
     with pytest.raises(NotFoundError):
         service.futures.get(record.id, "mallory")
 
@@ -112,7 +114,7 @@ def test_an_invalid_request_is_refused_at_submission_naming_the_problem(service_
     service = service_factory()
     bad = SampleRequest(np.array([1, 10**6]), SamplingParams(max_tokens=2))
     with pytest.raises(UserError, match="token ids"):
-        service.sample("local", _base_sampler(service), 0, bad)
+        service.samplers.sample("local", _base_sampler(service), 0, bad)
 
 
 def test_past_the_queue_limit_asample_is_backpressured_and_accepted_once_there_is_room(
@@ -122,20 +124,23 @@ def test_past_the_queue_limit_asample_is_backpressured_and_accepted_once_there_i
     engine.stalled = True
     service = service_factory(engine, max_queued_samples=4)
     sampler = _base_sampler(service)
-    first = service.sample("local", sampler, 0, _request(num_samples=3))
+    first = service.samplers.sample("local", sampler, 0, _request(num_samples=3))
     with pytest.raises(SamplingBackpressureError, match="3 samples are queued"):
-        service.sample("local", sampler, 1, _request(num_samples=2))
-    assert service.sample("local", sampler, 0, _request(num_samples=3)).id == first.id  # resends still answer
+        service.samplers.sample("local", sampler, 1, _request(num_samples=2))
+    assert (
+        service.samplers.sample("local", sampler, 0, _request(num_samples=3)).id == first.id
+    )  # resends still answer
     engine.stalled = False
     assert result_of(service, first).status == "complete"
     assert (
-        result_of(service, service.sample("local", sampler, 1, _request(num_samples=2))).status == "complete"
+        result_of(service, service.samplers.sample("local", sampler, 1, _request(num_samples=2))).status
+        == "complete"
     )
 
 
 def test_a_request_larger_than_the_limit_still_runs_alone(service_factory) -> None:
     service = service_factory(max_queued_samples=2)
-    record = service.sample("local", _base_sampler(service), 0, _request(num_samples=5))
+    record = service.samplers.sample("local", _base_sampler(service), 0, _request(num_samples=5))
     assert len(result_of(service, record).result.sequences) == 5
 
 
@@ -145,11 +150,11 @@ def test_each_worker_cycle_runs_one_training_plan_and_one_sampler_step(service_f
     run, sampler = create_run(service), _base_sampler(service)
     engine.events.clear()
     with held(service):  # everything is queued before the worker plans
-        samples = [service.sample("local", sampler, seq, _request()) for seq in range(3)]
+        samples = [service.samplers.sample("local", sampler, seq, _request()) for seq in range(3)]
         training = []
         for seq in range(1, 7, 2):
-            training.append(service.submit("local", run, seq, sft_pass()))
-            training.append(service.submit("local", run, seq + 1, OptimStep(AdamParams())))
+            training.append(service.training.submit("local", run, seq, sft_pass()))
+            training.append(service.training.submit("local", run, seq + 1, OptimStep(AdamParams())))
     for record in samples + training:
         result_of(service, record)
     # A plan is one pass, or one fused optim step (with any barriers); while requests are sampling
@@ -163,8 +168,10 @@ def test_sampling_never_waits_for_a_training_run_held_at_a_gap(service_factory) 
     service = service_factory()
     run = create_run(service)
     sampler = run.replace(":train:0", ":sample:0")
-    result_of(service, service.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler)))
-    blocked = service.submit("local", run, 3, OptimStep(AdamParams()))  # waits for a seq 2 that never comes
+    result_of(service, service.training.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler)))
+    blocked = service.training.submit(
+        "local", run, 3, OptimStep(AdamParams())
+    )  # waits for a seq 2 that never comes
     assert len(_tokens(service, sampler)) == 2
     assert not service.futures.get(blocked.id, "local").is_done
 
@@ -174,11 +181,11 @@ def test_an_older_snapshot_keeps_sampling_the_weights_it_was_saved_with(service_
     run = create_run(service)
     train_steps(service, run, 2)
     old = run.replace(":train:0", ":sample:0")
-    result_of(service, service.submit("local", run, 5, SaveSnapshot(None, sampler_id=old)))
+    result_of(service, service.training.submit("local", run, 5, SaveSnapshot(None, sampler_id=old)))
     before = _tokens(service, old, max_tokens=12)
     train_steps(service, run, 3, first_seq=6)
     new = run.replace(":train:0", ":sample:1")
-    result_of(service, service.submit("local", run, 12, SaveSnapshot(None, sampler_id=new)))
+    result_of(service, service.training.submit("local", run, 12, SaveSnapshot(None, sampler_id=new)))
     assert _tokens(service, old, seq_id=1, max_tokens=12) == before
     assert _tokens(service, new, max_tokens=12) != before
 
@@ -189,8 +196,8 @@ def test_a_training_checkpoint_samples_exactly_like_a_sampler_checkpoint_of_the_
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 3)
-    weights = result_of(service, service.submit("local", run, 7, SaveState("w"))).result["path"]
-    snapshot = result_of(service, service.submit("local", run, 8, SaveSnapshot("s"))).result["path"]
+    weights = result_of(service, service.training.submit("local", run, 7, SaveState("w"))).result["path"]
+    snapshot = result_of(service, service.training.submit("local", run, 8, SaveSnapshot("s"))).result["path"]
     over_weights, over_snapshot = _sampler_over(service, weights), _sampler_over(service, snapshot)
     expected = _tokens(service, over_snapshot, max_tokens=12)
     assert _tokens(service, over_weights, max_tokens=12) == expected
@@ -202,11 +209,11 @@ def test_a_training_checkpoint_samples_exactly_like_a_sampler_checkpoint_of_the_
 def test_a_sampler_checkpoint_deleted_from_disk_is_a_clear_not_found(service_factory) -> None:
     service = service_factory()
     run = create_run(service)
-    path = result_of(service, service.submit("local", run, 1, SaveSnapshot("gone"))).result["path"]
+    path = result_of(service, service.training.submit("local", run, 1, SaveSnapshot("gone"))).result["path"]
     sampler = _sampler_over(service, path)
     service.catalog.delete_checkpoint("local", CheckpointPath.parse(path))
     with pytest.raises(NotFoundError, match="gone"):
-        service.sample("local", sampler, 0, _request())
+        service.samplers.sample("local", sampler, 0, _request())
 
 
 def test_a_failed_sampler_step_fails_its_requests_as_server_errors_and_the_next_ones_run(
@@ -223,11 +230,11 @@ def test_a_failed_sampler_step_fails_its_requests_as_server_errors_and_the_next_
 
     service = service_factory(FailsOnce())
     sampler = _base_sampler(service)
-    lost = result_of(service, service.sample("local", sampler, 0, _request()))
+    lost = result_of(service, service.samplers.sample("local", sampler, 0, _request()))
     assert (lost.status, lost.category) == ("failed", "server")
     assert lost.error.startswith("internal server error (request ")  # the cause stays in the log
-    assert result_of(service, service.sample("local", sampler, 1, _request())).status == "complete"
-    assert service.samples.queued_samples == 0
+    assert result_of(service, service.samplers.sample("local", sampler, 1, _request())).status == "complete"
+    assert service.state.samples.queued_samples == 0
 
 
 def test_after_a_restart_sample_results_remain_and_in_flight_samples_fail_as_server_errors(
@@ -236,9 +243,9 @@ def test_after_a_restart_sample_results_remain_and_in_flight_samples_fail_as_ser
     engine = StepwiseEngine()
     before = service_factory(engine)
     sampler = _base_sampler(before)
-    done = result_of(before, before.sample("local", sampler, 0, _request(3, 6)))
+    done = result_of(before, before.samplers.sample("local", sampler, 0, _request(3, 6)))
     engine.stalled = True
-    in_flight = before.sample("local", sampler, 1, _request())
+    in_flight = before.samplers.sample("local", sampler, 1, _request())
     before.engine_loop.stop()
     before.store.close()
 
@@ -249,4 +256,4 @@ def test_after_a_restart_sample_results_remain_and_in_flight_samples_fail_as_ser
         np.testing.assert_array_equal(got.logprobs, expected.logprobs)
     lost = result_of(after, in_flight)
     assert (lost.category, lost.error) == ("server", RESTART_ERROR)
-    assert after.sample("local", sampler, 1, _request()).id == in_flight.id
+    assert after.samplers.sample("local", sampler, 1, _request()).id == in_flight.id

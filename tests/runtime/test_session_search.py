@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.session_search import SessionQuery, SessionSearch, SessionStatus, StatusFilter
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.core.checkpoints import CheckpointPath
@@ -21,23 +21,21 @@ from tests.runtime.conftest import create_run, result_of
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def service(
-    request: pytest.FixtureRequest, service_factory: Callable[..., TrainingService]
-) -> TrainingService:
+def service(request: pytest.FixtureRequest, service_factory: Callable[..., Runtime]) -> Runtime:
     if request.param == "sqlite":
         return service_factory()
     url = create_database(request.getfixturevalue("postgres_url_prefix"), f"search_{uuid.uuid4().hex[:12]}")
     return service_factory(database_url=url)
 
 
-def _ids(service: TrainingService, tenant: str = "alice", **query: object) -> list[str]:
+def _ids(service: Runtime, tenant: str = "alice", **query: object) -> list[str]:
     page = service.session_search.search(tenant, SessionQuery(**query))  # type: ignore[arg-type]
     assert page.next_after is None
     return [summary.session_id for summary in page.sessions]
 
 
 def test_a_tenant_pages_through_its_own_sessions_newest_first_and_never_sees_anothers(
-    service: TrainingService,
+    service: Runtime,
 ) -> None:
     mine = [service.sessions.create("alice", {}) for _ in range(5)]
     theirs = service.sessions.create("bob", {})
@@ -54,7 +52,7 @@ def test_a_tenant_pages_through_its_own_sessions_newest_first_and_never_sees_ano
 
 
 def test_search_matches_id_or_every_display_name_word_every_metadata_pair_the_owner_and_a_status(
-    service: TrainingService,
+    service: Runtime,
 ) -> None:
     create = service.sessions.create
     a = create("alice", {"team": "rl", "n": "3"}, display_name="Nightly SFT qwen")
@@ -80,11 +78,12 @@ def test_search_matches_id_or_every_display_name_word_every_metadata_pair_the_ow
     assert summary.user_metadata == {"team": "rl"} and summary.display_name is None
 
 
-def test_checkpoint_counts_and_bytes_are_those_of_the_files_on_disk(service: TrainingService) -> None:
+def test_checkpoint_counts_and_bytes_are_those_of_the_files_on_disk(service: Runtime) -> None:
     run = create_run(service, "alice")
     for seq_id, name in enumerate(["first", "second"], start=1):
         assert (
-            result_of(service, service.submit("alice", run, seq_id, SaveState(name)), "alice").error is None
+            result_of(service, service.training.submit("alice", run, seq_id, SaveState(name)), "alice").error
+            is None
         )
     on_disk = sum(
         f.stat().st_size

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.control.service import Submission, TrainingService
+from loraplex.runtime.assembly import Runtime
+from loraplex.runtime.control.service import Submission
 from tests.runtime.conftest import create_run, held, result_of, sft_pass, train_steps
 
 
-def _trace(service: TrainingService, session_id: str) -> dict[str, Any]:
+def _trace(service: Runtime, session_id: str) -> dict[str, Any]:
     return json.loads("".join(service.session_traces.trace("local", session_id)))
 
 
@@ -23,7 +24,7 @@ def test_each_recorded_request_is_a_slice_of_its_runs_process_in_seq_id_order(se
     service = service_factory()
     run = create_run(service)
     train_steps(service, run, 2)  # seq 1-4
-    (refused,) = service.submit_many(
+    (refused,) = service.training.submit_many(
         [Submission("local", run, 5, "ForwardBackward", refusal=UserError("no such loss"))]
     )
     result_of(service, refused)  # type: ignore[arg-type]
@@ -56,8 +57,8 @@ def test_requests_that_overlap_in_time_go_on_separate_lanes_and_no_lane_holds_ov
     service = service_factory()
     run = create_run(service)
     with held(service):  # both submitted before either can finish
-        first = service.submit("local", run, 1, sft_pass())
-        second = service.submit("local", run, 2, sft_pass())
+        first = service.training.submit("local", run, 1, sft_pass())
+        second = service.training.submit("local", run, 2, sft_pass())
     for record in (first, second):
         result_of(service, record)
     events = _trace(service, run.split(":")[0])["traceEvents"]

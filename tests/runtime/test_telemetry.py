@@ -10,7 +10,7 @@ import pytest
 
 from loraplex.engine.interface import EngineUsage
 from loraplex.engine.types import AdamParams
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.core.commands import OptimStep
 from loraplex.runtime.observability.telemetry import QUEUE_KINDS, Occupancy, Telemetry
 from tests.fakes import FakeEngine
@@ -122,24 +122,24 @@ def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeCloc
 
 
 def test_the_service_reports_passes_steps_queues_and_slots(
-    service_factory: Callable[..., TrainingService],
+    service_factory: Callable[..., Runtime],
 ) -> None:
     service = service_factory(FakeEngine(max_slots=2))
     run_id = create_run(service)
     with held(service):  # queued, not yet planned: the snapshot sees them
         records = [
-            service.submit("local", run_id, 1, sft_pass()),
-            service.submit("local", run_id, 2, OptimStep(AdamParams(learning_rate=0.01))),
+            service.training.submit("local", run_id, 1, sft_pass()),
+            service.training.submit("local", run_id, 2, OptimStep(AdamParams(learning_rate=0.01))),
         ]
         # seq 4 waits behind the missing seq 3
-        behind = service.submit("local", run_id, 4, sft_pass(forward_only=True))
+        behind = service.training.submit("local", run_id, 4, sft_pass(forward_only=True))
         queued = service.telemetry.snapshot()
     assert (queued.queue_depth["forward_backward"], queued.queue_depth["optim_step"]) == (1, 1)
     assert queued.queue_depth["forward"] == 1
     assert (queued.slots_used, queued.slots_total) == (1, 2)
     for record in records:
         assert result_of(service, record).status == "complete"
-    service.submit("local", run_id, 3, sft_pass(forward_only=True))
+    service.training.submit("local", run_id, 3, sft_pass(forward_only=True))
     assert result_of(service, behind).status == "complete"
     snapshot = service.telemetry.snapshot()
     tokens = len(sft_pass().datums[0].tokens)
@@ -153,12 +153,14 @@ def test_the_service_reports_passes_steps_queues_and_slots(
 
 
 def test_the_engine_loop_summarises_each_busy_cycle_at_debug_level(
-    service_factory: Callable[..., TrainingService], caplog: pytest.LogCaptureFixture
+    service_factory: Callable[..., Runtime], caplog: pytest.LogCaptureFixture
 ) -> None:
     service = service_factory()
     run_id = create_run(service)
     with caplog.at_level(logging.DEBUG, logger="loraplex.runtime.core.engine_loop"):
-        assert result_of(service, service.submit("local", run_id, 1, sft_pass())).status == "complete"
+        assert (
+            result_of(service, service.training.submit("local", run_id, 1, sft_pass())).status == "complete"
+        )
         deadline = time.monotonic() + 10  # the cycle logs after it has finished its futures
         while not [r for r in caplog.records if "work PassWork of 1," in r.getMessage()]:
             assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]

@@ -1,4 +1,4 @@
-"""TrainingService with the fake engine: ordering, idempotency, packing across tenants, errors."""
+"""Runtime with the fake engine: ordering, idempotency, packing across tenants, errors."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def test_out_of_order_submissions_execute_in_seq_id_order(service_factory) -> No
     service = service_factory()
     run = create_run(service)
     with held(service):  # all three arrive before anything runs
-        late_fwd = service.submit("local", run, 3, sft_pass(forward_only=True))
-        step = service.submit("local", run, 2, OptimStep(AdamParams(learning_rate=0.1)))
-        fb = service.submit("local", run, 1, sft_pass())
+        late_fwd = service.training.submit("local", run, 3, sft_pass(forward_only=True))
+        step = service.training.submit("local", run, 2, OptimStep(AdamParams(learning_rate=0.1)))
+        fb = service.training.submit("local", run, 1, sft_pass())
     before = result_of(service, fb).result.metrics["loss:sum"]
     after = result_of(service, late_fwd).result.metrics["loss:sum"]
     assert result_of(service, step).status == "complete"
@@ -33,11 +33,11 @@ def test_out_of_order_submissions_execute_in_seq_id_order(service_factory) -> No
 def test_a_resent_seq_id_returns_the_first_future_and_never_runs_twice(service_factory) -> None:
     service = service_factory()
     run = create_run(service)
-    first = service.submit("local", run, 1, sft_pass())
-    again = service.submit("local", run, 1, sft_pass())
+    first = service.training.submit("local", run, 1, sft_pass())
+    again = service.training.submit("local", run, 1, sft_pass())
     assert again.id == first.id
     result_of(service, first)
-    step = result_of(service, service.submit("local", run, 2, OptimStep(AdamParams())))
+    step = result_of(service, service.training.submit("local", run, 2, OptimStep(AdamParams())))
     # one accumulated gradient, not two: the fused step saw the norm of a single datum's gradient
     single = service_factory_norm(service)
     assert step.result["metrics"]["grad_norm"] == pytest.approx(single)
@@ -46,23 +46,23 @@ def test_a_resent_seq_id_returns_the_first_future_and_never_runs_twice(service_f
 def service_factory_norm(service) -> float:
     """Grad norm of one sft_pass on a fresh run of the same seed (the expected value, computed apart)."""
     run = create_run(service)
-    result_of(service, service.submit("local", run, 1, sft_pass()))
-    return result_of(service, service.submit("local", run, 2, OptimStep(AdamParams()))).result["metrics"][
-        "grad_norm"
-    ]
+    result_of(service, service.training.submit("local", run, 1, sft_pass()))
+    return result_of(service, service.training.submit("local", run, 2, OptimStep(AdamParams()))).result[
+        "metrics"
+    ]["grad_norm"]
 
 
 def test_two_tenants_share_one_engine_pass_and_each_gets_what_it_would_alone(service_factory) -> None:
     alone = service_factory()
     run_a, run_b = create_run(alone, "alice", seed=1), create_run(alone, "bob", seed=2)
-    expected_a = result_of(alone, alone.submit("alice", run_a, 1, sft_pass()), "alice").result
-    expected_b = result_of(alone, alone.submit("bob", run_b, 1, rl_pass("ppo")), "bob").result
+    expected_a = result_of(alone, alone.training.submit("alice", run_a, 1, sft_pass()), "alice").result
+    expected_b = result_of(alone, alone.training.submit("bob", run_b, 1, rl_pass("ppo")), "bob").result
 
     shared = service_factory(subdir="shared")
     run_a, run_b = create_run(shared, "alice", seed=1), create_run(shared, "bob", seed=2)
     with held(shared):
-        fa = shared.submit("alice", run_a, 1, sft_pass())
-        fb = shared.submit("bob", run_b, 1, rl_pass("ppo"))
+        fa = shared.training.submit("alice", run_a, 1, sft_pass())
+        fb = shared.training.submit("bob", run_b, 1, rl_pass("ppo"))
     got_a, got_b = result_of(shared, fa, "alice").result, result_of(shared, fb, "bob").result
     assert sorted(shared.engine.pass_log[-1]) == [0, 1]  # one pass held both tenants' requests
     assert got_a.metrics == expected_a.metrics and got_b.metrics == expected_b.metrics
@@ -74,7 +74,7 @@ def test_optim_steps_of_different_runs_fuse_into_one_engine_call(service_factory
     runs = [create_run(service, seed=s) for s in (1, 2)]
     with held(service):
         futures = [
-            service.submit("local", r, seq, c)
+            service.training.submit("local", r, seq, c)
             for r in runs
             for seq, c in ((1, sft_pass()), (2, OptimStep(AdamParams())))
         ]
@@ -86,8 +86,8 @@ def test_optim_steps_of_different_runs_fuse_into_one_engine_call(service_factory
 def test_a_bad_request_fails_alone_as_a_user_error_and_its_seq_id_is_consumed(service_factory) -> None:
     service = service_factory()
     run = create_run(service)
-    bad = service.submit("local", run, 1, ForwardBackward("nope", {}, sft_pass().datums, False))
-    good = service.submit("local", run, 2, sft_pass())
+    bad = service.training.submit("local", run, 1, ForwardBackward("nope", {}, sft_pass().datums, False))
+    good = service.training.submit("local", run, 2, sft_pass())
     failed = result_of(service, bad)
     assert (failed.status, failed.category) == ("failed", "user")
     assert "unknown loss_fn 'nope'" in failed.error
@@ -107,7 +107,8 @@ def test_oversized_requests_fail_with_the_limit_named(service_factory, limit, da
     run = create_run(service)
     one = sft_pass().datums[0]
     record = result_of(
-        service, service.submit("local", run, 1, ForwardBackward("cross_entropy", {}, [one] * datums, False))
+        service,
+        service.training.submit("local", run, 1, ForwardBackward("cross_entropy", {}, [one] * datums, False)),
     )
     assert record.category == "user" and message in record.error
 
@@ -115,9 +116,9 @@ def test_oversized_requests_fail_with_the_limit_named(service_factory, limit, da
 def test_another_tenants_run_and_future_look_missing(service_factory) -> None:
     service = service_factory()
     run = create_run(service, "alice")
-    record = service.submit("alice", run, 1, sft_pass())
+    record = service.training.submit("alice", run, 1, sft_pass())
     with pytest.raises(NotFoundError):
-        service.submit("mallory", run, 2, sft_pass())
+        service.training.submit("mallory", run, 2, sft_pass())
     with pytest.raises(NotFoundError):
         service.futures.get(record.id, "mallory")
 
@@ -126,7 +127,7 @@ def test_seq_id_zero_is_rejected_before_anything_is_queued(service_factory) -> N
     service = service_factory()
     run = create_run(service)
     with pytest.raises(UserError, match="seq_id must be >= 1"):
-        service.submit("local", run, 0, sft_pass())
+        service.training.submit("local", run, 0, sft_pass())
 
 
 def test_gradients_accumulate_across_requests_until_the_step(service_factory) -> None:
@@ -134,10 +135,10 @@ def test_gradients_accumulate_across_requests_until_the_step(service_factory) ->
     run_split, run_whole = create_run(service, seed=3), create_run(service, seed=3)
     half = sft_pass(weight=0.5)
     for seq in (1, 2):
-        service.submit("local", run_split, seq, half)
-    service.submit("local", run_whole, 1, sft_pass())
-    split = result_of(service, service.submit("local", run_split, 3, OptimStep(AdamParams())))
-    whole = result_of(service, service.submit("local", run_whole, 2, OptimStep(AdamParams())))
+        service.training.submit("local", run_split, seq, half)
+    service.training.submit("local", run_whole, 1, sft_pass())
+    split = result_of(service, service.training.submit("local", run_split, 3, OptimStep(AdamParams())))
+    whole = result_of(service, service.training.submit("local", run_whole, 2, OptimStep(AdamParams())))
     assert split.result["metrics"]["grad_norm"] == pytest.approx(whole.result["metrics"]["grad_norm"])
 
 
@@ -146,7 +147,7 @@ def test_forward_only_leaves_gradients_untouched(service_factory) -> None:
     run = create_run(service)
     result_of(
         service,
-        service.submit(
+        service.training.submit(
             "local",
             run,
             1,
@@ -155,7 +156,7 @@ def test_forward_only_leaves_gradients_untouched(service_factory) -> None:
             ),
         ),
     )
-    step = result_of(service, service.submit("local", run, 2, OptimStep(AdamParams())))
+    step = result_of(service, service.training.submit("local", run, 2, OptimStep(AdamParams())))
     assert step.result["metrics"]["grad_norm"] == 0.0
 
 
@@ -164,11 +165,11 @@ def test_requests_behind_a_seq_id_that_never_arrives_fail_after_the_gap_timeout_
 ) -> None:
     service = service_factory(seq_gap_timeout_s=0.3)
     run = create_run(service)
-    stuck = service.submit("local", run, 2, sft_pass())  # seq 1 was refused before it could be read
+    stuck = service.training.submit("local", run, 2, sft_pass())  # seq 1 was refused before it could be read
     outcome = result_of(service, stuck)
     assert (outcome.category, outcome.error) == (
         "user",
         f"training run {run} never received seq_id 1 (its session expired, or it was refused before its "
         "seq_id could be read); this request waited behind it and is dropped",
     )
-    assert result_of(service, service.submit("local", run, 3, sft_pass())).status == "complete"
+    assert result_of(service, service.training.submit("local", run, 3, sft_pass())).status == "complete"

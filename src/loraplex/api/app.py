@@ -2,7 +2,7 @@
 OpenAI-compatible app mounted at /v1 (api/openai/), /metrics (metrics.py), the web console at /console
 (api/console/), and around them all the request log (request_log.py). Status codes come from errors.py.
 
-Knows nothing of tensors or the database; it talks only to the runtime's TrainingService.
+Knows nothing of tensors or the database; it hands each route the runtime collaborators it uses.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from loraplex.api.tinker import (
 from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.api.tinker.wire import describe_errors
 from loraplex.errors import CapacityError, LoraplexError, UserError
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.assembly import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,11 @@ def _server_error(error: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=500)
 
 
-def create_app(training_service: TrainingService, run_service: bool = True) -> FastAPI:
-    """The app over a (not yet started) service. Its lifespan starts and stops the service, unless
-    `run_service` is False: then whoever serves the app runs the service's engine worker itself."""
+def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
+    """The app over a (not yet started) runtime. Its lifespan starts and stops the runtime, unless
+    `run_service` is False: then whoever serves the app runs the runtime itself."""
 
-    submissions = SubmissionThread(training_service)
+    submissions = SubmissionThread(runtime.training)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -87,24 +87,30 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
             if not run_service:
                 yield
                 return
-            training_service.start()
+            runtime.start()
             try:
                 yield
             finally:
-                await run_in_threadpool(training_service.stop)  # it parks runs: database writes
+                await run_in_threadpool(runtime.stop)  # it parks runs: database writes
         finally:
             submissions.close()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
-    app.state.service = training_service
-    app.state.submissions = submissions
+    # Each route takes the collaborators it uses from here (api/tinker/deps.py), never the whole runtime.
+    state = app.state
+    state.training, state.samplers, state.futures = runtime.training, runtime.samplers, runtime.futures
+    state.sessions, state.catalog, state.downloads = runtime.sessions, runtime.catalog, runtime.downloads
+    state.session_search, state.session_traces = runtime.session_search, runtime.session_traces
+    state.info, state.layout, state.submissions = runtime.info, runtime.layout, submissions
+    state.tenants, state.logins, state.console = runtime.tenants, runtime.logins, runtime.console
+    state.metrics_public = runtime.config.metrics_public
     app.add_exception_handler(LoraplexError, _loraplex_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(BodyLimit, limits=RequestLimits.from_config(training_service.config))
+    app.add_middleware(BodyLimit, limits=RequestLimits.from_config(runtime.config))
     # Added last, so outermost: its log line and metrics see BodyLimit's refusals too.
-    app.state.metrics = Metrics(training_service)
-    app.add_middleware(RequestObserver, metrics=app.state.metrics)
+    state.metrics = Metrics(runtime.telemetry, runtime.info.model_name)
+    app.add_middleware(RequestObserver, metrics=state.metrics)
     # FastAPI tries routes in the order they were added, a regex each, twice per request: the routes of
     # every training step (retrieve_future, then forward_backward and optim_step) come first.
     # Unsupported SDK routes before REST's, whose checkpoint path parameter would swallow them.
@@ -113,5 +119,5 @@ def create_app(training_service: TrainingService, run_service: bool = True) -> F
     app.include_router(unsupported.fallback, prefix="/api/v1")
     app.include_router(metrics_router)
     app.include_router(console_router)
-    app.mount("/v1", create_openai_app(training_service))
+    app.mount("/v1", create_openai_app(runtime.inference, runtime.tenants))
     return app

@@ -2,7 +2,7 @@
 
 Each app has its own CollectorRegistry (several apps may live in one process, as in the tests). Request
 metrics are updated per request by the request observer (request_log.py); everything else is read from
-`TrainingService.telemetry.snapshot()` when scraped, by a custom collector, so the engine's hot path only
+the runtime's `Telemetry.snapshot()` when scraped, by a custom collector, so the engine's hot path only
 adds to plain counters. No label names a tenant, run or sampler: one tenant's key may read /metrics
 (unless `--metrics-public`, which needs none), and sees only server-wide figures. No tensors, no SQL.
 """
@@ -28,11 +28,12 @@ from prometheus_client.registry import Collector
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.errors import AuthenticationError
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.keys import TenantResolver
 from loraplex.runtime.observability.telemetry import (
     ENGINE_THREAD_STATES,
     HistogramSnapshot,
     ServerSnapshot,
+    Telemetry,
 )
 
 router = APIRouter()
@@ -55,7 +56,7 @@ def error_category(status: int) -> str | None:
 class Metrics:
     """The registry of one app: request instruments, plus a collector over the service's telemetry."""
 
-    def __init__(self, service: TrainingService) -> None:
+    def __init__(self, telemetry: Telemetry, model_name: str) -> None:
         disable_created_metrics()  # no *_created series: Prometheus's text format does not use them
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -74,7 +75,7 @@ class Metrics:
         self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}  # labels() costs a lock and a dict
         self._lock = threading.Lock()
         self.response_errors: dict[str, int] = {}  # category -> error responses
-        self.registry.register(TelemetryCollector(service, self))
+        self.registry.register(TelemetryCollector(telemetry, model_name, self))
         ProcessCollector(registry=self.registry)
 
     def observe_request(self, method: str, route: str, status: int, latency_s: float) -> None:
@@ -103,11 +104,11 @@ class Metrics:
 class TelemetryCollector(Collector):
     """Metric families from a telemetry snapshot taken at scrape time."""
 
-    def __init__(self, service: TrainingService, metrics: Metrics) -> None:
-        self.service, self.metrics = service, metrics
+    def __init__(self, telemetry: Telemetry, model_name: str, metrics: Metrics) -> None:
+        self.telemetry, self.model_name, self.metrics = telemetry, model_name, metrics
 
     def collect(self) -> Iterator[Metric]:
-        s = self.service.telemetry.snapshot()
+        s = self.telemetry.snapshot()
         yield from _occupancy(s)
         yield from _work(s)
         yield from _memory(s)
@@ -117,7 +118,7 @@ class TelemetryCollector(Collector):
             "Always 1; labels name the model served and the device.",
             labels=("model", "device"),
         )
-        info.add_metric((self.service.info.model_name, s.device), 1)
+        info.add_metric((self.model_name, s.device), 1)
         yield info
         yield _gauge("loraplex_uptime_seconds", "Seconds since the service started.", s.uptime_s)
 
@@ -259,8 +260,7 @@ def _memory(s: ServerSnapshot) -> Iterator[Metric]:
 async def _authorize(request: Request) -> None:
     """Any tenant's key (X-API-Key, or Authorization: Bearer as Prometheus sends it), unless the server
     runs with --metrics-public."""
-    service: TrainingService = request.app.state.service
-    if service.config.metrics_public:
+    if request.app.state.metrics_public:
         return
     key, authorization = request.headers.get("x-api-key"), request.headers.get("authorization")
     if authorization is not None and authorization[: len(_BEARER)].lower() == _BEARER:
@@ -270,8 +270,9 @@ async def _authorize(request: Request) -> None:
             "/metrics needs an API key (X-API-Key or Authorization: Bearer), unless the server runs with "
             "--metrics-public"
         )
-    if service.tenants.cached(key) is None:
-        await run_in_threadpool(service.tenants.tenant_for, key)
+    tenants: TenantResolver = request.app.state.tenants
+    if tenants.cached(key) is None:
+        await run_in_threadpool(tenants.tenant_for, key)
 
 
 @router.get("/metrics", include_in_schema=False)

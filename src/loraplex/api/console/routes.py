@@ -21,9 +21,8 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.console.pages import HERE, render_fragment, render_login, render_page
 from loraplex.errors import AuthenticationError, NotFoundError
-from loraplex.runtime.control.keys import Viewer
-from loraplex.runtime.control.service import TrainingService
-from loraplex.runtime.observability.console import PAGE_ROWS
+from loraplex.runtime.control.keys import ConsoleLogins, Viewer
+from loraplex.runtime.observability.console import PAGE_ROWS, Console
 
 router = APIRouter(prefix="/console")
 
@@ -42,7 +41,7 @@ _STATIC_TYPES = {"console.js": "text/javascript; charset=utf-8", "console.css": 
 _STATIC = {name: (HERE / "static" / name).read_bytes() for name in _STATIC_TYPES}
 _MAX_KEY_FORM_BYTES = 4096
 
-Load = Callable[[TrainingService, Viewer], dict[str, Any]]
+Load = Callable[[Console, Viewer], dict[str, Any]]
 
 
 @router.get("", include_in_schema=False)
@@ -69,9 +68,9 @@ async def login(request: Request) -> Response:
     body = await request.body()
     fields = parse_qs(body[:_MAX_KEY_FORM_BYTES].decode(errors="replace")) if body else {}
     key = (fields.get("key") or [""])[0].strip()
-    service: TrainingService = request.app.state.service
+    logins: ConsoleLogins = request.app.state.logins
     try:
-        token, _viewer = await run_in_threadpool(service.logins.sign_in, key)
+        token, _viewer = await run_in_threadpool(logins.sign_in, key)
     except AuthenticationError as error:
         return HTMLResponse(render_login(str(error)), status_code=401, headers=_HEADERS)
     response = RedirectResponse("/console/runs", status_code=303, headers=_HEADERS)
@@ -88,8 +87,8 @@ async def login(request: Request) -> Response:
 
 @router.post("/logout", include_in_schema=False)
 async def logout(request: Request) -> Response:
-    service: TrainingService = request.app.state.service
-    service.logins.sign_out(request.cookies.get(COOKIE))
+    logins: ConsoleLogins = request.app.state.logins
+    logins.sign_out(request.cookies.get(COOKIE))
     response = RedirectResponse("/console/login", status_code=303, headers=_HEADERS)
     response.delete_cookie(COOKIE, path="/console", httponly=True, samesite="strict")
     return response
@@ -99,8 +98,8 @@ async def logout(request: Request) -> Response:
 async def runs(request: Request, offset: int = 0) -> Response:
     offset = max(0, min(offset, 2**62))
 
-    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
-        found, total = service.console.runs(viewer, PAGE_ROWS, offset)
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        found, total = console.runs(viewer, PAGE_ROWS, offset)
         return {"runs": found, "total": total, "offset": offset, "limit": PAGE_ROWS}
 
     return await _page(request, "runs.html", "Runs", "runs", 3000, load)
@@ -108,32 +107,32 @@ async def runs(request: Request, offset: int = 0) -> Response:
 
 @router.get("/runs/{run_id}", include_in_schema=False)
 async def run(request: Request, run_id: str) -> Response:
-    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
-        return {"detail": service.console.run(viewer, run_id)}
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        return {"detail": console.run(viewer, run_id)}
 
     return await _page(request, "run.html", run_id, "runs", 3000, load)
 
 
 @router.get("/samplers", include_in_schema=False)
 async def samplers(request: Request) -> Response:
-    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
-        return {"samplers": service.console.samplers(viewer)}
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        return {"samplers": console.samplers(viewer)}
 
     return await _page(request, "samplers.html", "Samplers", "samplers", 5000, load)
 
 
 @router.get("/requests", include_in_schema=False)
 async def requests(request: Request) -> Response:
-    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
-        return {"requests": service.console.requests(viewer)}
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        return {"requests": console.requests(viewer)}
 
     return await _page(request, "requests.html", "Requests", "requests", 3000, load)
 
 
 @router.get("/server", include_in_schema=False)
 async def server(request: Request) -> Response:
-    def load(service: TrainingService, viewer: Viewer) -> dict[str, Any]:
-        return {"status": service.console.server(viewer), "info": service.info}
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        return {"status": console.server(viewer), "info": console.info}
 
     return await _page(request, "server.html", "Server", "server", 2000, load)
 
@@ -142,17 +141,18 @@ async def _page(
     request: Request, template: str, title: str, section: str, refresh_ms: int, load: Load
 ) -> Response:
     """Check the sign-in, load and render a page (or, with ?fragment=1, its body) on a worker thread."""
-    service: TrainingService = request.app.state.service
+    logins: ConsoleLogins = request.app.state.logins
+    console: Console = request.app.state.console
     token = request.cookies.get(COOKIE)
     fragment = request.query_params.get("fragment") == "1"
 
     def answer() -> tuple[int, str] | None:
         try:
-            viewer = service.logins.viewer(token)
+            viewer = logins.viewer(token)
         except AuthenticationError:
             return None
         try:
-            context = load(service, viewer)
+            context = load(console, viewer)
         except NotFoundError as error:
             template_, title_, context, status = "not_found.html", "Not found", {"message": str(error)}, 404
         else:

@@ -11,6 +11,7 @@ from fastapi import Depends, Header, Request
 
 from loraplex.api.request_log import note_request
 from loraplex.errors import AuthenticationError
+from loraplex.runtime.control.keys import TenantResolver
 from loraplex.runtime.serving.inference import InferenceService
 
 _BEARER = "bearer "
@@ -32,9 +33,9 @@ async def bearer_tenant(
         key = authorization[len(_BEARER) :].strip()
     if not key:
         raise AuthenticationError("missing API key: send it as the header Authorization: Bearer tml-...")
-    inference: InferenceService = request.app.state.inference
+    tenants: TenantResolver = request.app.state.tenants
     # A key is looked up in the database: on a worker thread, not the event loop every request shares.
-    tenant = await asyncio.to_thread(inference.service.tenants.tenant_for, key)
+    tenant = tenants.cached(key) or await asyncio.to_thread(tenants.tenant_for, key)
     note_request(tenant=tenant)
     return tenant
 

@@ -11,25 +11,18 @@ from fastapi import Depends, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.request_log import note_request
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.keys import TenantResolver
 
 
-# Both dependencies are `async def` though they never await: FastAPI runs a plain `def` dependency in
-# its thread pool: two thread hops on every request, for lookups that take microseconds.
-async def service_of(request: Request) -> TrainingService:
-    """The TrainingService this app serves."""
-    return request.app.state.service
-
-
+# `async def` though it rarely awaits: FastAPI runs a plain `def` dependency in its thread pool, two thread
+# hops on every request for a lookup that takes microseconds.
 async def current_tenant(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> str:
     """The caller's tenant (AuthenticationError, hence 401, for a missing or unknown key); a key not
     resolved recently is looked up on a worker thread, never on the event loop."""
-    service: TrainingService = request.app.state.service
-    tenants = service.tenants
+    tenants: TenantResolver = request.app.state.tenants
     tenant = tenants.cached(x_api_key) or await run_in_threadpool(tenants.tenant_for, x_api_key)
     note_request(tenant=tenant)
     return tenant
 
 
-Service = Annotated[TrainingService, Depends(service_of)]
 Tenant = Annotated[str, Depends(current_tenant)]

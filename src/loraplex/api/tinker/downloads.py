@@ -18,7 +18,8 @@ from urllib.parse import quote
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
 
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
+from loraplex.api.tinker.deps import Downloads, Layout, Runs
 from loraplex.errors import NotFoundError
 from loraplex.runtime.control.downloads import URL_LIFETIME_S
 from loraplex.runtime.core.checkpoints import CheckpointPath
@@ -28,25 +29,31 @@ router = APIRouter()
 
 @router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls")
 def external_weights_urls(
-    run_id: str, name: str, request: Request, service: Service, tenant: Tenant
+    run_id: str,
+    name: str,
+    request: Request,
+    catalog: Runs,
+    layout: Layout,
+    downloads: Downloads,
+    tenant: Tenant,
 ) -> dict[str, Any]:
     path = CheckpointPath.parse(f"tinker://{run_id}/external_weights/{name}")
-    service.catalog.checkpoint(tenant, path)
-    root = service.layout.checkpoint_dir(path)
+    catalog.checkpoint(tenant, path)
+    root = layout.checkpoint_dir(path)
     expires = int(time.time()) + URL_LIFETIME_S
     base = str(request.base_url).rstrip("/")
     urls = {}
     for relpath in _files(root):
-        token = service.downloads.sign(tenant, path, relpath, expires)
+        token = downloads.sign(tenant, path, relpath, expires)
         urls[relpath] = f"{base}/api/v1/downloads/{token}/{quote(relpath)}"
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, UTC).isoformat()}
 
 
 @router.get("/downloads/{token}/{relpath:path}")
-def download(token: str, relpath: str, service: Service) -> FileResponse:
-    grant = service.downloads.verify(token, relpath)
-    service.catalog.checkpoint(grant.tenant, grant.checkpoint)  # deleted or no longer readable: 404
-    root = service.layout.checkpoint_dir(grant.checkpoint)
+def download(token: str, relpath: str, catalog: Runs, layout: Layout, downloads: Downloads) -> FileResponse:
+    grant = downloads.verify(token, relpath)
+    catalog.checkpoint(grant.tenant, grant.checkpoint)  # deleted or no longer readable: 404
+    root = layout.checkpoint_dir(grant.checkpoint)
     file = root / relpath
     if relpath not in _files(root) or not file.is_file():
         raise NotFoundError(f"{relpath} is not a file of {grant.checkpoint}")

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from loraplex.api.request_log import note_request
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.codecs import (
     encode_forward_backward_output,
     encode_sample_response,
@@ -17,6 +17,7 @@ from loraplex.api.tinker.codecs import (
     json_safe,
     sample_response_json,
 )
+from loraplex.api.tinker.deps import Futures
 from loraplex.api.tinker.wire import RetrieveFutureRequest
 from loraplex.runtime.core.commands import PassResult
 from loraplex.runtime.core.sampling import SampleResult
@@ -34,10 +35,10 @@ _ENCODINGS: dict[type, tuple[Callable[[Any], bytes], Callable[[Any], dict[str, A
 
 @router.post("/retrieve_future")
 async def retrieve_future(
-    body: RetrieveFutureRequest, request: Request, service: Service, tenant: Tenant
+    body: RetrieveFutureRequest, request: Request, futures: Futures, tenant: Tenant
 ) -> Response:
     note_request(future_id=body.request_id)
-    record = await service.retrieve(tenant, body.request_id)
+    record = await futures.retrieve(tenant, body.request_id)
     if not record.is_done:
         return JSONResponse({"type": "try_again", "request_id": record.id, "queue_state": "active"})
     if record.status == "failed":

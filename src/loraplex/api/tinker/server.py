@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
+from loraplex.api.tinker.deps import Info, Sessions
 from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
 
 router = APIRouter()
@@ -35,8 +36,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/get_server_capabilities")
-async def capabilities(service: Service) -> dict[str, Any]:
-    info = service.info
+async def capabilities(info: Info) -> dict[str, Any]:
     model = {
         "model_name": info.model_name,
         "max_context_length": info.max_context_length,
@@ -52,18 +52,18 @@ async def telemetry(_tenant: Tenant) -> dict[str, str]:
 
 
 @router.post("/create_session")
-def create_session(body: CreateSessionRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    session_id = service.sessions.create(tenant, body.user_metadata, body.display_name)
+def create_session(body: CreateSessionRequest, sessions: Sessions, tenant: Tenant) -> dict[str, Any]:
+    session_id = sessions.create(tenant, body.user_metadata, body.display_name)
     return {"session_id": session_id, "type": "create_session"}
 
 
 @router.post("/session_heartbeat")
-def heartbeat(body: SessionRequest, service: Service, tenant: Tenant) -> dict[str, str]:
-    service.sessions.heartbeat(body.session_id, tenant)
+def heartbeat(body: SessionRequest, sessions: Sessions, tenant: Tenant) -> dict[str, str]:
+    sessions.heartbeat(body.session_id, tenant)
     return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish")
-def finish(session_id: str, body: FinishRequest, service: Service, tenant: Tenant) -> dict[str, str]:
-    service.sessions.finish(session_id, tenant, body.reason.type)
+def finish(session_id: str, body: FinishRequest, sessions: Sessions, tenant: Tenant) -> dict[str, str]:
+    sessions.finish(session_id, tenant, body.reason.type)
     return {"status": "finished"}

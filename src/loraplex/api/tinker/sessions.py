@@ -16,7 +16,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import AwareDatetime, Field
 
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
+from loraplex.api.tinker.deps import Downloads, Runs, Search, Traces
 from loraplex.api.tinker.unsupported import unsupported
 from loraplex.api.tinker.wire import WireModel
 from loraplex.runtime.control.downloads import URL_LIFETIME_S, DownloadDeniedError
@@ -33,17 +34,17 @@ router = APIRouter()
 
 @router.get("/sessions")
 def list_sessions(
-    service: Service,
+    catalog: Runs,
     tenant: Tenant,
     limit: int = Query(20, ge=1, le=1000),
     offset: Annotated[int, Query(ge=0, lt=2**63)] = 0,
 ) -> dict[str, Any]:
-    return {"sessions": service.catalog.session_ids(tenant, limit, offset)}
+    return {"sessions": catalog.session_ids(tenant, limit, offset)}
 
 
 @router.get("/sessions/{session_id}")
-def get_session(session_id: str, service: Service, tenant: Tenant) -> dict[str, Any]:
-    view = service.catalog.session(tenant, session_id)
+def get_session(session_id: str, catalog: Runs, tenant: Tenant) -> dict[str, Any]:
+    view = catalog.session(tenant, session_id)
     return {
         "training_run_ids": view.training_run_ids,
         "sampler_ids": view.sampler_ids,
@@ -96,8 +97,8 @@ class SessionSearchRequest(WireModel):
 
 
 @router.post("/sessions/search")
-def search_sessions(body: SessionSearchRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    return _page_json(service.session_search.search(tenant, body.to_query()))
+def search_sessions(body: SessionSearchRequest, search: Search, tenant: Tenant) -> dict[str, Any]:
+    return _page_json(search.search(tenant, body.to_query()))
 
 
 def _page_json(page: SessionPage) -> dict[str, Any]:
@@ -130,21 +131,23 @@ def _status_json(status: SessionStatus | None) -> dict[str, Any] | None:
 
 # --- trace export
 @router.get("/sessions/{session_id}/trace_export")
-def export_trace(session_id: str, request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
-    service.catalog.session(tenant, session_id)  # another tenant's session: 404
+def export_trace(
+    session_id: str, request: Request, catalog: Runs, downloads: Downloads, tenant: Tenant
+) -> dict[str, Any]:
+    catalog.session(tenant, session_id)  # another tenant's session: 404
     expires = int(time.time()) + URL_LIFETIME_S
     file = _trace_file(session_id)
-    token = service.downloads.sign(tenant, session_id, file, expires)
+    token = downloads.sign(tenant, session_id, file, expires)
     url = f"{str(request.base_url).rstrip('/')}/api/v1/session_traces/{token}/{file}"
     return {"status": "ready", "url": url, "error": None}
 
 
 @router.get("/session_traces/{token}/{file}")
-def download_trace(token: str, file: str, service: Service) -> StreamingResponse:
-    grant = service.downloads.verify(token, file)
+def download_trace(token: str, file: str, downloads: Downloads, traces: Traces) -> StreamingResponse:
+    grant = downloads.verify(token, file)
     if file != _trace_file(grant.subject):  # a token signed for a checkpoint's file
         raise DownloadDeniedError("this download token is for another file")
-    pieces = service.session_traces.trace(grant.tenant, grant.subject)
+    pieces = traces.trace(grant.tenant, grant.subject)
     return StreamingResponse(pieces, media_type="application/json")
 
 

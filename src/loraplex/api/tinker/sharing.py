@@ -8,7 +8,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
+from loraplex.api.tinker.deps import Runs
 from loraplex.api.tinker.wire import TtlSeconds, WireModel
 from loraplex.runtime.core.checkpoints import CheckpointPath
 
@@ -26,17 +27,17 @@ def _path(run_id: str, kind: str, name: str) -> CheckpointPath:
 
 
 @router.post(f"{_CHECKPOINT}/publish")
-async def publish(run_id: str, kind: str, name: str, service: Service, tenant: Tenant) -> None:
-    await run_in_threadpool(service.catalog.set_public, tenant, _path(run_id, kind, name), True)
+async def publish(run_id: str, kind: str, name: str, catalog: Runs, tenant: Tenant) -> None:
+    await run_in_threadpool(catalog.set_public, tenant, _path(run_id, kind, name), True)
 
 
 @router.delete(f"{_CHECKPOINT}/publish")
-async def unpublish(run_id: str, kind: str, name: str, service: Service, tenant: Tenant) -> None:
-    await run_in_threadpool(service.catalog.set_public, tenant, _path(run_id, kind, name), False)
+async def unpublish(run_id: str, kind: str, name: str, catalog: Runs, tenant: Tenant) -> None:
+    await run_in_threadpool(catalog.set_public, tenant, _path(run_id, kind, name), False)
 
 
 @router.put(f"{_CHECKPOINT}/ttl")
 async def set_ttl(
-    run_id: str, kind: str, name: str, body: SetTtlRequest, service: Service, tenant: Tenant
+    run_id: str, kind: str, name: str, body: SetTtlRequest, catalog: Runs, tenant: Tenant
 ) -> None:
-    await run_in_threadpool(service.catalog.set_ttl, tenant, _path(run_id, kind, name), body.ttl_seconds)
+    await run_in_threadpool(catalog.set_ttl, tenant, _path(run_id, kind, name), body.ttl_seconds)

@@ -69,7 +69,9 @@ class SubmissionThread:
         self._service = service
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="loraplex-submit", daemon=True)
-        self._starting = threading.Lock()  # the thread starts with the first work (an app may never serve)
+        # Taken to hand work over, to start the thread (with the first work: an app may never serve) and to
+        # close: work is either queued before the close's end marker, and done, or refused.
+        self._lock = threading.Lock()
         self._closed = False
 
     async def submit(self, submission: Submission) -> FutureRecord:
@@ -82,23 +84,23 @@ class SubmissionThread:
         return await self._hand_over(partial(contextvars.copy_context().run, fn, *args))
 
     def close(self) -> None:
-        """Finish what was handed over, then stop the thread."""
-        with self._starting:
+        """Finish what was handed over, then stop the thread; work handed over later is refused."""
+        with self._lock:
             self._closed = True
             if self._thread.is_alive():
                 self._jobs.put(None)
-                self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     async def _hand_over(self, work: Submission | Callable[[], Any]) -> Any:
-        if self._closed:
-            raise ServerError("the server is shutting down; submit the request again once it is back")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._jobs.put(_Job(work, loop, future))
-        if self._thread.ident is None:
-            with self._starting:
-                if self._thread.ident is None:
-                    self._thread.start()
+        with self._lock:
+            if self._closed:
+                raise ServerError("the server is shutting down; submit the request again once it is back")
+            self._jobs.put(_Job(work, loop, future))
+            if self._thread.ident is None:
+                self._thread.start()
         return await future
 
     def _serve(self) -> None:

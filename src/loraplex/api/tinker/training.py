@@ -23,12 +23,13 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
 from loraplex.api.request_log import note_request
-from loraplex.api.tinker.auth import Service, Tenant
+from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.codecs import (
     decompress,
     forward_backward_command,
     parse_forward_backward,
 )
+from loraplex.api.tinker.deps import Info, Submissions, Training
 from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.api.tinker.wire import (
     CreateModelRequest,
@@ -55,10 +56,6 @@ class UnprocessableBodyError(UserError):
     status_code = 422
 
 
-def _submissions(request: Request) -> SubmissionThread:
-    return request.app.state.submissions
-
-
 def _future(record: FutureRecord, model_id: str, seq_id: int | None = None) -> dict[str, Any]:
     note_request(run_id=model_id, seq_id=seq_id, future_id=record.id)
     return {"request_id": record.id, "model_id": model_id}
@@ -76,6 +73,7 @@ def _json_route(wire: type[BaseModel]) -> dict[str, Any]:
 
 async def _submit_ordered(
     request: Request,
+    submissions: SubmissionThread,
     tenant: str,
     wire: type[BaseModel],
     request_type: str,
@@ -93,7 +91,7 @@ async def _submit_ordered(
     else:
         model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
         submission = Submission(tenant, model_id, seq_id, command.request_type, command)
-    return _future(await _submissions(request).submit(submission), model_id, seq_id)
+    return _future(await submissions.submit(submission), model_id, seq_id)
 
 
 def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
@@ -110,13 +108,15 @@ def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
 
 
 @router.post("/create_model")
-def create_model(body: CreateModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    record = service.create_run(tenant, body.session_id, body.model_seq_id, body.to_command())
+def create_model(body: CreateModelRequest, training: Training, tenant: Tenant) -> dict[str, Any]:
+    record = training.create_run(tenant, body.session_id, body.model_seq_id, body.to_command())
     return _future(record, f"{body.session_id}:train:{body.model_seq_id}", 0)
 
 
 @router.post("/load_weights", **_json_route(LoadWeightsRequest))
-async def load_weights(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+async def load_weights(
+    request: Request, training: Training, submissions: Submissions, tenant: Tenant
+) -> dict[str, Any]:
     """Create-via-load (session_id + model_seq_id: a new run) or the legacy in-place load (model_id +
     seq_id)."""
     try:
@@ -125,8 +125,8 @@ async def load_weights(request: Request, service: Service, tenant: Tenant) -> di
         body = None  # refused below, as the in-place load it names (or a 422 if it names no run)
     if body is not None and body.session_id is not None and body.model_seq_id is not None:
         command = body.to_command()
-        record = await _submissions(request).call(
-            service.create_run, tenant, body.session_id, body.model_seq_id, command
+        record = await submissions.call(
+            training.create_run, tenant, body.session_id, body.model_seq_id, command
         )
         return _future(record, f"{body.session_id}:train:{body.model_seq_id}")
 
@@ -137,12 +137,12 @@ async def load_weights(request: Request, service: Service, tenant: Tenant) -> di
             )
         return body.to_command()
 
-    return await _submit_ordered(request, tenant, LoadWeightsRequest, "LoadWeights", in_place)
+    return await _submit_ordered(request, submissions, tenant, LoadWeightsRequest, "LoadWeights", in_place)
 
 
 @router.post("/get_info")
-async def get_info(body: ModelRequest, service: Service, tenant: Tenant) -> dict[str, Any]:
-    run, info = service.run_state(tenant, body.model_id), service.info
+async def get_info(body: ModelRequest, training: Training, info: Info, tenant: Tenant) -> dict[str, Any]:
+    run = training.run_state(tenant, body.model_id)
     model_data = {
         "arch": info.arch,
         "model_name": info.model_name,
@@ -160,7 +160,7 @@ async def get_info(body: ModelRequest, service: Service, tenant: Tenant) -> dict
 
 @router.post("/forward_backward")
 @router.post("/forward")
-async def forward_backward(request: Request, tenant: Tenant) -> dict[str, Any]:
+async def forward_backward(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
     """forward and forward_backward share this handler: the proto's forward_only says which."""
     body = decompress(await request.body(), request.headers.get("content-encoding"))
     msg = parse_forward_backward(body)
@@ -169,35 +169,40 @@ async def forward_backward(request: Request, tenant: Tenant) -> dict[str, Any]:
         submission = Submission(tenant, model_id, seq_id, "ForwardBackward", forward_backward_command(msg))
     except UserError as refusal:
         submission = Submission(tenant, model_id, seq_id, "ForwardBackward", refusal=refusal)
-    return _future(await _submissions(request).submit(submission), model_id, seq_id)
+    return _future(await submissions.submit(submission), model_id, seq_id)
 
 
 @router.post("/optim_step", **_json_route(OptimStepRequest))
-async def optim_step(request: Request, tenant: Tenant) -> dict[str, Any]:
-    return await _submit_ordered(request, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command)
+async def optim_step(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
+    return await _submit_ordered(
+        request, submissions, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command
+    )
 
 
 @router.post("/save_weights", **_json_route(SaveWeightsRequest))
-async def save_weights(request: Request, tenant: Tenant) -> dict[str, Any]:
+async def save_weights(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
     return await _submit_ordered(
-        request, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
+        request, submissions, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
     )
 
 
 @router.post("/save_weights_for_sampler", **_json_route(SaveWeightsForSamplerRequest))
-async def save_weights_for_sampler(request: Request, service: Service, tenant: Tenant) -> dict[str, Any]:
+async def save_weights_for_sampler(
+    request: Request, training: Training, submissions: Submissions, tenant: Tenant
+) -> dict[str, Any]:
     def to_command(body: SaveWeightsForSamplerRequest) -> Command:
-        return body.to_command(service.run_state(tenant, body.model_id).session_id)
+        return body.to_command(training.run_state(tenant, body.model_id).session_id)
 
     return await _submit_ordered(
-        request, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
+        request, submissions, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
     )
 
 
 @router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
-async def save_weights_external(request: Request, tenant: Tenant) -> dict[str, Any]:
+async def save_weights_external(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
     return await _submit_ordered(
         request,
+        submissions,
         tenant,
         SaveWeightsExternalRequest,
         "SaveWeightsExternal",

@@ -14,9 +14,10 @@ from typing import Any
 
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import NotFoundError
-from loraplex.runtime.control.store import Store, as_utc, utcnow
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import CheckpointRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
+from loraplex.timestamps import as_utc, utcnow
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""Futures: one per submitted request; completed by the engine worker, long-polled by the API.
+"""Futures: one per submitted request; given its outcome by the writer once durable, long-polled by the API.
 
-Pending futures live in memory; every outcome is also written to the database, so finished results
-stay retrievable after a restart. Completion may come from any thread; waiting is asyncio.
-No tensors, no HTTP.
+Pending futures live in memory. The writer (writer.py) writes each outcome to the database and only then
+settles the future here, waking its waiters, so a result a client has seen is one a restart keeps. An
+outcome the database refused stays in memory, never evicted, until the writer has written it (a request
+never reads as pending again while the database is down). Older finished futures are read back from the
+database. Settling may come from any thread; waiting is asyncio. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -10,23 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.errors import LoraplexError, NotFoundError, ServerError, UserError
+from loraplex.errors import LoraplexError, NotFoundError, UserError
 from loraplex.ids import random_hex
-from loraplex.runtime.control.store import FutureOutcome, Store, utcnow
-from loraplex.runtime.control.store.results import Result, decode_result, encode_result
+from loraplex.runtime.control.store import FutureOutcome, Store
+from loraplex.runtime.control.store.results import decode_result, encode_result
 from loraplex.runtime.control.store.schema import FutureRow
+from loraplex.runtime.core.journal import Outcome, Result
 from loraplex.runtime.observability.telemetry import Telemetry
+from loraplex.timestamps import utcnow
 
 log = logging.getLogger(__name__)
 
 PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
-# Pauses between attempts to record outcomes when the database refuses (then they fail in memory).
-_WRITE_RETRY_PAUSES_S = (0.05, 0.2, 1.0)
 
 
 @dataclass
@@ -55,18 +56,41 @@ def error_category(error: BaseException) -> str:
     return "user" if isinstance(error, UserError) else "server"
 
 
+def outcome_row(future_id: str, outcome: Outcome) -> FutureOutcome:
+    """What finishing a future writes: its encoded result, or its error and category."""
+    if not isinstance(outcome, BaseException):
+        encoded = encode_result(outcome) if outcome is not None else None
+        return FutureOutcome(future_id, COMPLETE, encoded, None, None)
+    category = error_category(outcome)
+    message = str(outcome) or type(outcome).__name__
+    if category == "server":
+        log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
+        if not isinstance(
+            outcome, LoraplexError
+        ):  # an unexpected error's text may hold paths: the log has it
+            message = f"internal server error (request {future_id}; the server log has the details)"
+    return FutureOutcome(future_id, FAILED, None, message, category)
+
+
 class FutureTable:
     """All futures of the service, keyed by request id."""
 
     def __init__(
-        self, store: Store, retention_s: float, retained: int = 4096, telemetry: Telemetry | None = None
+        self,
+        store: Store,
+        retention_s: float,
+        long_poll_s: float = 30.0,
+        retained: int = 4096,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._store = store
         self._telemetry = telemetry
         self._retention_s = retention_s  # how long finished futures stay in the database (retention.py)
+        self._long_poll_s = long_poll_s
         self._retained = retained  # finished records kept in memory; older ones are read from the DB
         self._lock = threading.Lock()
         self._pending: dict[str, FutureRecord] = {}
+        self._unwritten: dict[str, FutureRecord] = {}  # settled, outcome not in the database yet
         self._done: OrderedDict[str, FutureRecord] = OrderedDict()
 
     def create(
@@ -91,80 +115,34 @@ class FutureTable:
     def persist(self, entries: Sequence[tuple[FutureRecord, str | None, int | None]]) -> None:
         """Write the rows of `new` futures, each with its run and seq_id (or None), in one transaction (and
         stamp their runs' last request times)."""
-        created_at = utcnow()
-        rows = [
-            FutureRow(
-                id=record.id,
-                tenant=record.tenant,
-                request_type=record.request_type,
-                run_id=run_id,
-                seq_id=seq_id,
-                status=PENDING,
-                created_at=created_at,
-            )
-            for record, run_id, seq_id in entries
-        ]
-        self._store.add_futures(rows)
+        self._store.add_futures([_pending_row(record, run_id, seq_id) for record, run_id, seq_id in entries])
+
+    def persist_sample(self, record: FutureRecord, sampler_id: str, seq_id: int) -> None:
+        """Write a `new` sampling future's row and stamp its sampler's last use, in one transaction;
+        SamplerGoneError if retention deleted the sampler meanwhile, SeqIdTakenError if a copy of the
+        request wrote its row first (store/repository.py)."""
+        self._store.add_sample_future(_pending_row(record, sampler_id, seq_id))
 
     def drop(self, future_id: str) -> None:
         """Forget a `new` future whose row could not be written (nobody was given its id)."""
         with self._lock:
             self._pending.pop(future_id, None)
 
-    def complete(self, future_id: str, result: Result) -> None:
-        """Resolve a future with its result."""
-        self.finish({future_id: result})
-
-    def fail(self, future_id: str, error: BaseException) -> None:
-        """Resolve a future with an error (category from the exception class)."""
-        self.finish({future_id: error})
-
-    def fail_if_pending(self, future_id: str, error: BaseException) -> None:
-        """Fail a future unless it already has an outcome (clean-up after an unexpected engine error)."""
+    def is_pending(self, future_id: str) -> bool:
+        """Whether the future has no outcome yet."""
         with self._lock:
-            pending = future_id in self._pending
-        if pending:
-            self.fail(future_id, error)
+            return future_id in self._pending
 
-    def finish(
-        self, outcomes: Mapping[str, Result | BaseException], undone_if_unrecorded: bool = False
-    ) -> bool:
-        """Resolve futures, each with its result or its error, in one database transaction (a fused pass
-        answers many requests at once: one commit, not one per request), then wake their waiters; True if
-        the outcomes were recorded.
-
-        The write is retried with backoff; if the database still refuses, the futures fail in memory with a
-        server error saying so (their rows stay pending and read as failed after a restart), and the caller
-        goes on: a database fault must not end the worker. undone_if_unrecorded: the caller takes back the
-        work behind these outcomes when this returns False, and the error tells the client so.
-        """
-        rows = [_outcome_row(future_id, outcome) for future_id, outcome in outcomes.items()]
-        results = [None if isinstance(o, BaseException) else o for o in outcomes.values()]
-        recorded = True
-        for attempt, pause_s in enumerate((*_WRITE_RETRY_PAUSES_S, None)):
-            try:
-                self._store.finish_futures(rows)
-                break
-            except Exception as exc:
-                if pause_s is None:
-                    log.exception("could not record %d request outcomes; failing them in memory", len(rows))
-                    undone = "; nothing it did was kept, so it can be retried" if undone_if_unrecorded else ""
-                    unrecorded = ServerError(
-                        f"the server could not record this request's outcome ({type(exc).__name__}; the "
-                        f"server log has the details){undone}"
-                    )
-                    rows = [_outcome_row(row.id, unrecorded) for row in rows]
-                    results = [None] * len(rows)
-                    recorded = False
-                    break
-                log.warning("recording %d outcomes failed (attempt %d): %s", len(rows), attempt + 1, exc)
-                time.sleep(pause_s)
+    def settle(self, outcomes: Iterable[tuple[FutureOutcome, Result | None]], is_written: bool) -> None:
+        """Give futures their outcome and wake their waiters (the writer, once the outcomes are durable; or,
+        is_written False, once it knows they cannot be written now: then they stay in memory until
+        `mark_written`). A future that already has an outcome keeps its first."""
         waiters = []
         complete, failed = 0, dict[str, int]()  # for telemetry: finished with a result; failed, by category
         with self._lock:
-            for row, result in zip(rows, results, strict=True):
+            for row, result in outcomes:
                 record = self._pending.pop(row.id, None)
-                if record is None:  # finished already (e.g. a restart raced a late result)
+                if record is None:  # finished already (a late error of work whose outcome was recorded)
                     continue
                 if row.category is None:
                     complete += 1
@@ -172,16 +150,28 @@ class FutureTable:
                     failed[row.category] = failed.get(row.category, 0) + 1
                 record.status, record.error, record.category = row.status, row.error, row.category
                 record.result = result
-                self._done[row.id] = record
+                if is_written:
+                    self._remember(record)
+                else:
+                    self._unwritten[row.id] = record
                 waiters += record._waiters
                 record._waiters = []
-            while len(self._done) > self._retained:
-                self._done.popitem(last=False)
             if self._telemetry is not None:  # with the outcomes: whoever sees one done sees it counted
                 self._telemetry.record_outcomes(complete, failed)
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_resolve, waiter)
-        return recorded
+
+    def mark_written(self, future_ids: Iterable[str]) -> None:
+        """Outcomes that were settled unwritten are in the database now: they may be evicted like others."""
+        with self._lock:
+            for future_id in future_ids:
+                if (record := self._unwritten.pop(future_id, None)) is not None:
+                    self._remember(record)
+
+    def _remember(self, record: FutureRecord) -> None:
+        self._done[record.id] = record
+        while len(self._done) > self._retained:
+            self._done.popitem(last=False)
 
     def pending_count(self) -> int:
         """Futures not finished yet."""
@@ -192,6 +182,10 @@ class FutureTable:
         """A future of `tenant` (NotFoundError for unknown ids and other tenants' futures alike)."""
         record = self._in_memory(future_id) or self._load(future_id)
         return self._owned(record, future_id, tenant)
+
+    async def retrieve(self, tenant: str, future_id: str) -> FutureRecord:
+        """Long-poll a future: its outcome, or the still-pending record after the long-poll time."""
+        return await self.wait(future_id, tenant, self._long_poll_s)
 
     async def wait(self, future_id: str, tenant: str, timeout_s: float) -> FutureRecord:
         """The future once done, or still pending after `timeout_s` (the long-poll). A future no longer in
@@ -222,7 +216,7 @@ class FutureTable:
 
     def _in_memory(self, future_id: str) -> FutureRecord | None:
         with self._lock:
-            return self._pending.get(future_id) or self._done.get(future_id)
+            return self._pending.get(future_id) or self._unwritten.get(future_id) or self._done.get(future_id)
 
     def _load(self, future_id: str) -> FutureRecord | None:
         row = self._store.get_future(future_id)
@@ -239,20 +233,16 @@ class FutureTable:
         )
 
 
-def _outcome_row(future_id: str, outcome: Result | BaseException) -> FutureOutcome:
-    """What finishing a future writes: its encoded result, or its error and category."""
-    if not isinstance(outcome, BaseException):
-        encoded = encode_result(outcome) if outcome is not None else None
-        return FutureOutcome(future_id, COMPLETE, encoded, None, None)
-    category = error_category(outcome)
-    message = str(outcome) or type(outcome).__name__
-    if category == "server":
-        log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
-        if not isinstance(
-            outcome, LoraplexError
-        ):  # an unexpected error's text may hold paths: the log has it
-            message = f"internal server error (request {future_id}; the server log has the details)"
-    return FutureOutcome(future_id, FAILED, None, message, category)
+def _pending_row(record: FutureRecord, run_id: str | None, seq_id: int | None) -> FutureRow:
+    return FutureRow(
+        id=record.id,
+        tenant=record.tenant,
+        request_type=record.request_type,
+        run_id=run_id,
+        seq_id=seq_id,
+        status=PENDING,
+        created_at=utcnow(),
+    )
 
 
 def _resolve(waiter: asyncio.Future[None]) -> None:

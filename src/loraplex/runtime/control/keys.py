@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from loraplex.errors import AuthenticationError, UserError
-from loraplex.runtime.control.store import Store, as_utc, utcnow
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import ApiKeyRow
+from loraplex.timestamps import as_utc, utcnow
 
 LOCAL_TENANT = "local"
 KEY_PREFIX = "tml-"  # the Tinker SDK refuses keys without it

@@ -13,7 +13,9 @@
   optim_step) keeps its newest `max_metrics_per_run` records, and goes whole once the run has not been
   used for `metric_retention_s`.
 - Nothing that a queued or running request reads is deleted: the caller passes those directories as
-  `in_use`, and the sweep runs on the engine worker's thread, between the cycles that read them.
+  `in_use` (the housekeeping thread reads them from the engine loop's queues), and a sampler is deleted
+  only if no request stamped it since the sweep looked (store: delete_unused_sampler), so a request
+  accepted while the sweep runs keeps its sampler.
 
 `Retention.due` says what would go (loraplex doctor prints it); `sweep` removes it. No tensors, no HTTP.
 """
@@ -26,9 +28,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from loraplex.runtime.control.store import Store, as_utc
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import SamplerRow, SessionRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
+from loraplex.timestamps import as_utc
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,8 @@ class Removal:
     directories: list[Path] = field(default_factory=list)  # every directory deleted, checkpoints included
     bytes: int = 0  # the size of those directories
     kept_in_use: int = 0  # due, but read by a request in flight: kept for a later sweep
+    # Per sampler due: its last use when the sweep looked, and the weights directory of its own (if any).
+    sampler_state: dict[str, tuple[datetime | None, Path | None]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.futures or self.metrics or self.checkpoints or self.samplers)
@@ -89,7 +94,9 @@ class Retention:
                 removal.kept_in_use += 1
                 continue
             removal.samplers.append(row.id)
-            if own is not None and own.exists():
+            has_weights = own is not None and own.exists()
+            removal.sampler_state[row.id] = (row.last_used_at, own if has_weights else None)
+            if has_weights:
                 removal.directories.append(own)
         removal.bytes = sum(
             f.stat().st_size for d in removal.directories for f in d.rglob("*") if f.is_file()
@@ -105,8 +112,12 @@ class Retention:
             self.store.prune_metrics(*self._metric_bounds(now))
         for path in removal.checkpoints:
             self.store.delete_checkpoint(path.run_id, path.kind, path.name)
-        for sampler_id in removal.samplers:
-            self.store.delete_sampler(sampler_id)
+        for sampler_id in list(removal.samplers):
+            last_used, weights = removal.sampler_state[sampler_id]
+            if not self.store.delete_unused_sampler(sampler_id, last_used):  # a request came meanwhile
+                removal.samplers.remove(sampler_id)
+                if weights is not None:
+                    removal.directories.remove(weights)
         for directory in removal.directories:
             shutil.rmtree(directory, ignore_errors=True)
         if removal:

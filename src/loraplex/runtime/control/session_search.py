@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from loraplex.runtime.control.store import Store, as_utc
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import SessionRow
+from loraplex.timestamps import as_utc
 
 # Sessions read per query while a page fills: filters the database cannot apply (status, display name,
 # user_metadata) may skip many.

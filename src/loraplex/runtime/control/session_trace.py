@@ -16,7 +16,8 @@ from datetime import datetime
 from typing import Any
 
 from loraplex.runtime.control.catalog import Catalog
-from loraplex.runtime.control.store import RequestSpan, Store, utcnow
+from loraplex.runtime.control.store import RequestSpan, Store
+from loraplex.timestamps import utcnow
 
 
 class SessionTraces:

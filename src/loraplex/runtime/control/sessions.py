@@ -12,8 +12,9 @@ import uuid
 from typing import Any
 
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.control.store import Store, utcnow
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import SessionRow
+from loraplex.timestamps import utcnow
 
 
 class SessionGoneError(UserError):

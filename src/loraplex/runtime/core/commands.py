@@ -48,6 +48,9 @@ class CreateRunFromCheckpoint:
     source: CheckpointPath
     with_optimizer: bool
     user_metadata: dict[str, str] = field(default_factory=dict)
+    # The owner digest stamped into the checkpoint (its saver's; the engine checks it on load), found by
+    # the control plane when it checks the reader may read the checkpoint.
+    source_owner: str = ""
 
     request_type = "LoadWeights"
 
@@ -119,6 +122,7 @@ class LoadState:
 
     source: CheckpointPath
     with_optimizer: bool
+    source_owner: str = ""  # as CreateRunFromCheckpoint's
 
     request_type = "LoadWeights"
 

@@ -1,16 +1,16 @@
-"""The engine worker: the one thread that calls the Engine, cycle after cycle, and keeps going.
+"""The engine loop: the one thread that calls the Engine, cycle after cycle, and does nothing else.
 
 Each cycle takes one plan from the scheduler (residency moves, then at most one packed pass or one fused
 step with the barriers), hands newly queued sampling requests to the engine and runs one sampler step, so
 decoding and training interleave and neither starves; sampling reads immutable snapshots, so it never
 waits for a training barrier. About once a second it also fails requests stuck behind a seq_id that will
-never come and parks the runs of sessions whose lease lapsed; and every
-`retention_sweep_s` it deletes what retention says is due (retention.py), sparing what queued or running
-requests read.
+never come and parks the runs of sessions whose lease lapsed. Outcomes go to the journal (journal.py);
+the database, retention and every other chore run on other threads (runtime/control/), so on a GPU the
+thread spends its time launching work (duty.py measures it).
 
-Supervised: a failure anywhere in a cycle fails the requests it concerns (execution.py), is logged, and
+Supervised: a failure anywhere in a cycle fails the requests it concerns (executor.py), is logged, and
 the loop goes on after a short pause. Only an engine that reports it cannot go on (a dead data-parallel
-rank) ends the process, through its own failure callback. No tensors.
+rank) ends the process, through its own failure callback. No SQL, no tensors.
 """
 
 from __future__ import annotations
@@ -18,23 +18,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
-from loraplex.engine.interface import Engine
 from loraplex.errors import UserError
 from loraplex.os_threads import ENGINE, name_os_thread
-from loraplex.runtime.control.futures import FutureTable
-from loraplex.runtime.control.retention import Retention
-from loraplex.runtime.control.sessions import SessionTable
-from loraplex.runtime.control.store import utcnow
-from loraplex.runtime.core.checkpoints import DiskLayout
-from loraplex.runtime.core.commands import CreateRunFromCheckpoint, LoadState
 from loraplex.runtime.core.duty import HELD, IDLE, DutyMeter
 from loraplex.runtime.core.executor import Executor
-from loraplex.runtime.core.run_queue import LOST, RunState
-from loraplex.runtime.core.sampling import SampleJob, SampleQueue, SampleResult
+from loraplex.runtime.core.journal import Record
+from loraplex.runtime.core.run_queue import LOST, Entry
+from loraplex.runtime.core.sampling import SampleJob
 from loraplex.runtime.core.scheduler import Plan, Scheduler, work_items
+from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -46,37 +40,25 @@ _FAULT_PAUSE_S = 0.5
 
 
 class EngineLoop:
-    """Runs plans on the engine; shares `runs` and `active` with the service under `cond`'s lock."""
+    """Runs plans on the engine through the executor; shares runs and queues with the control plane."""
 
     def __init__(
         self,
-        engine: Engine,
         executor: Executor,
-        futures: FutureTable,
-        sessions: SessionTable,
-        layout: DiskLayout,
         scheduler: Scheduler,
-        active: dict[str, RunState],
-        samples: SampleQueue,
-        retention: Retention,
-        retention_sweep_s: float,
+        state: SharedState,
+        is_live: Callable[[str], bool],
         seq_gap_timeout_s: float,
-        max_prefill_tokens: int,
-        cond: threading.Condition,
-        telemetry: Telemetry | None = None,
-        meter: DutyMeter | None = None,
+        telemetry: Telemetry,
+        meter: DutyMeter,
     ) -> None:
-        self.engine, self.executor, self.futures, self.sessions = engine, executor, futures, sessions
-        self.layout, self.scheduler, self.active, self.cond = layout, scheduler, active, cond
-        self.samples, self.max_prefill_tokens = samples, max_prefill_tokens
-        self.retention, self.retention_sweep_s = retention, retention_sweep_s
-        self.seq_gap_timeout_s = seq_gap_timeout_s
-        self.telemetry = telemetry or Telemetry()
-        self.meter = meter or DutyMeter(self.telemetry)
+        self.executor, self.engine, self.scheduler, self.state = executor, executor.engine, scheduler, state
+        self.cond = state.cond
+        self.is_live, self.seq_gap_timeout_s = is_live, seq_gap_timeout_s
+        self.telemetry, self.meter = telemetry, meter
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._next_lease_check = 0.0
-        self._next_sweep = time.monotonic() + retention_sweep_s
 
     def run(self, keep_running: Callable[[], bool] = lambda: True) -> None:
         """Run the loop on the calling thread until stopped, or until `keep_running()` turns false.
@@ -87,12 +69,13 @@ class EngineLoop:
         bench/second_thread.py reproduces it in plain torch.
         """
         while True:
+            self.executor.settle(block=False)
             with self.cond:
                 if self._stopping or not keep_running():
                     return
                 now = time.monotonic()
-                plan = self.scheduler.plan(list(self.active.values()), now)
-                arrivals = self.samples.take_waiting()
+                plan = self.scheduler.plan(list(self.state.active.values()), now)
+                arrivals = self.state.samples.take_waiting()
                 if not plan and not arrivals and not self.engine.has_sampling_work():
                     wake_at = self.scheduler.wake_at
                     with self.meter.state(IDLE if wake_at is None else HELD):
@@ -100,7 +83,7 @@ class EngineLoop:
             try:
                 healthy = self._cycle(plan, arrivals)
             except Exception:
-                log.exception("engine worker cycle failed; the worker goes on")
+                log.exception("engine loop cycle failed; the loop goes on")
                 healthy = False
             if not healthy:
                 time.sleep(_FAULT_PAUSE_S)
@@ -116,9 +99,9 @@ class EngineLoop:
             self.executor.execute(work)
         planned = time.perf_counter()
         for job in arrivals:
-            self._admit_sample(job)
+            self.executor.admit_sample(job)
         if self.engine.has_sampling_work():
-            self._step_sampler()
+            self.executor.step_sampler()
         if log.isEnabledFor(logging.DEBUG) and (plan or arrivals):
             log.debug(
                 "cycle: parked %d, admitted %d, work %s, %d new samples; plan %.1f ms, sampling %.1f ms",
@@ -133,10 +116,6 @@ class EngineLoop:
             self._next_lease_check = time.monotonic() + _LEASE_CHECK_S
             self._expire_leases()
             self.telemetry.record_usage(self.engine.usage())
-        if time.monotonic() >= self._next_sweep:
-            self._next_sweep = time.monotonic() + self.retention_sweep_s
-            self._sweep()
-        self.executor.history.flush_if_due()
         self._forget_quiet_runs()
         return healthy
 
@@ -155,7 +134,7 @@ class EngineLoop:
         self._stopping = True
 
     def stop(self) -> None:
-        """Finish the current plan, then stop (and wait for the worker thread, if it has one)."""
+        """Finish the current plan, then stop (and wait for the loop's thread, if it has one)."""
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
@@ -169,21 +148,24 @@ class EngineLoop:
         as a body over the size limit). Then park the lapsed sessions' runs that have nothing left to do,
         like any idle run."""
         now = time.monotonic()
+        stuck: dict[str, tuple[int, list[Entry]]] = {}
         with self.cond:
-            lapsed = [r for r in self.active.values() if not self.sessions.is_live(r.session_id)]
+            lapsed = [r for r in self.state.active.values() if not self.is_live(r.session_id)]
             stale = [
                 r
-                for r in self.active.values()
+                for r in self.state.active.values()
                 if r.queue.pending() and now - r.queue.pending()[0].arrived_at >= self.seq_gap_timeout_s
             ]
-            stuck = {run.run_id: (run.queue.next_seq_id, run.queue.abandon_gap()) for run in lapsed + stale}
+            for run in lapsed + stale:  # a run both lapsed and stale gives up its gap once
+                if run.run_id not in stuck:
+                    stuck[run.run_id] = (run.queue.next_seq_id, run.queue.abandon_gap())
         for run_id, (missing, entries) in stuck.items():
             if entries:
                 gap = UserError(
                     f"training run {run_id} never received seq_id {missing} (its session expired, or it was "
                     "refused before its seq_id could be read); this request waited behind it and is dropped"
                 )
-                self.futures.finish(dict.fromkeys((e.future_id for e in entries), gap))
+                self.executor.hand_over(Record(dict.fromkeys((e.future_id for e in entries), gap)))
         for run in lapsed:
             if run.slot is not None and run.queue.is_idle():
                 self.executor.park(run)
@@ -192,76 +174,21 @@ class EngineLoop:
         """Park every resident run (gradients included), so a restart finds them on disk: called once the
         loop has stopped."""
         with self.cond:
-            resident = [run for run in self.active.values() if run.slot is not None]
+            resident = [run for run in self.state.active.values() if run.slot is not None]
         for run in resident:
             self.executor.park(run)
+        self.executor.settle()
         if resident:
             log.info("parked %d resident runs before stopping", len(resident))
 
-    def _sweep(self) -> None:
-        """Delete what retention says is due, except what a queued or running request reads."""
-        with self.cond:
-            in_use = frozenset(self._directories_in_use())
-        self.retention.sweep(utcnow(), in_use)
-
-    def _directories_in_use(self) -> Iterator[Path]:
-        """Checkpoint and snapshot directories that queued commands or unfinished samples will read."""
-        for run in self.active.values():
-            for entry in run.queue.pending():
-                if isinstance(entry.command, LoadState | CreateRunFromCheckpoint):
-                    yield self.layout.checkpoint_dir(entry.command.source)
-        for job in self.samples.jobs():
-            if job.request.snapshot is not None:
-                yield job.request.snapshot
-            if job.export_from is not None:
-                yield self.layout.checkpoint_dir(job.export_from)
-
     def _forget_quiet_runs(self) -> None:
         """Keep the per-cycle plan set to runs that hold a slot or have commands: idle parked and lost runs
-        leave it, so thousands of old runs cost a plan nothing (the service adds a run back on its next
-        request)."""
+        leave it, so thousands of old runs cost a plan nothing (a run is added back on its next request)."""
         with self.cond:
             quiet = [
                 run_id
-                for run_id, run in self.active.items()
+                for run_id, run in self.state.active.items()
                 if (run.slot is None or run.status == LOST) and run.queue.is_idle()
             ]
             for run_id in quiet:
-                del self.active[run_id]
-
-    # --- sampling
-    def _admit_sample(self, job: SampleJob) -> None:
-        """Hand one request to the engine, exporting its training checkpoint first if it needs one."""
-        try:
-            snapshot = job.request.snapshot
-            if job.export_from is not None and snapshot is not None and not snapshot.exists():
-                source = self.layout.checkpoint_dir(job.export_from)
-                owner = self.executor.source_owner(job.export_from)
-                track = self.executor.progress.track
-                with track(
-                    "export for sampler", job.tenant, str(job.export_from), reads=source, writes=snapshot
-                ):
-                    self.engine.export_snapshot(source, snapshot, owner)
-            self.engine.add_sample(job.future_id, job.request)
-        except Exception as exc:
-            self._finish_samples({job.future_id: exc})
-
-    def _step_sampler(self) -> None:
-        start = time.perf_counter()
-        try:
-            finished = self.engine.step_sampler(self.max_prefill_tokens)
-        except Exception as exc:  # the engine dropped every request it held: fail them all
-            log.exception("sampler step failed")
-            with self.cond:
-                dropped = self.samples.active_ids()
-            self._finish_samples(dict.fromkeys(dropped, exc))
-            return
-        elapsed_s = time.perf_counter() - start
-        self._finish_samples(dict(finished))
-        self.telemetry.record_sampler_step(elapsed_s, self.engine.usage())
-
-    def _finish_samples(self, outcomes: dict[str, SampleResult | Exception]) -> None:
-        with self.cond:
-            for future_id in outcomes:
-                self.samples.finish(future_id)
-        self.futures.finish(outcomes)
+                del self.state.active[run_id]

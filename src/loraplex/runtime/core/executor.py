@@ -1,29 +1,28 @@
-"""Executing a plan on the engine: passes, fused steps, barriers, and the residency moves that precede them.
+"""Executing a plan on the engine: passes, fused steps, barriers, residency moves and the sampler's work.
 
-Called by the engine worker (worker.py) on its one thread; every method either finishes the futures of
-the commands it ran or fails them, so no future is left pending by a failure here. Run state the HTTP
-side also reads (queues, status) changes under the service lock; slot ids and gradient flags are the
-worker's alone. No tensors: numpy-level dataclasses in, numpy-level results out.
+Called by the engine loop on its one thread. Each engine call's outcome goes to the journal as one
+`Record` (journal.py), which another thread makes durable; the executor never waits for the database
+except where the ordering rule says so:
+- before a call that may change a slot it settles the last record it may have to take back (`settle`): a
+  pass whose outcomes could not be written is undone (`Engine.undo_last`), a created run's slot freed;
+- an optimizer step is prepared (its metrics known, nothing changed), its record written, and only then
+  are its kernels applied, or the step aborted if the record could not be written.
+Every method either hands on the outcomes of the commands it ran or their errors, so no future is left
+pending by a failure here. Run state the control plane also reads (queues, status) changes under the
+shared lock; slot ids and gradient flags are the loop's alone. No SQL, no tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shutil
-import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
 from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import CapacityError, ServerError, UserError
-from loraplex.runtime.control.futures import FutureTable
-from loraplex.runtime.control.store import Store, utcnow
-from loraplex.runtime.control.store.results import Result
-from loraplex.runtime.control.store.schema import CheckpointRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout, owner_digest
 from loraplex.runtime.core.commands import (
     CreateRun,
@@ -34,9 +33,25 @@ from loraplex.runtime.core.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.core.duty import DURABLE, DutyMeter
+from loraplex.runtime.core.journal import (
+    FORWARD,
+    FORWARD_BACKWARD,
+    OPTIM_STEP,
+    CheckpointSaved,
+    Journal,
+    MetricsRecorded,
+    Outcome,
+    Receipt,
+    Record,
+    RunCreated,
+    RunStatusChanged,
+    SamplerCreated,
+)
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
+from loraplex.runtime.core.sampling import SampleJob
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
-from loraplex.runtime.observability.history import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, MetricHistory
+from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.progress import ProgressBoard
 from loraplex.runtime.observability.telemetry import Telemetry
 
@@ -52,28 +67,60 @@ def lost_run_error(run_id: str) -> ServerError:
 
 
 class Executor:
-    """Runs plan items on the engine and reports them through the futures."""
+    """Runs plan items on the engine and hands their outcomes to the journal."""
 
     def __init__(
         self,
         engine: Engine,
-        store: Store,
-        futures: FutureTable,
+        journal: Journal,
         layout: DiskLayout,
-        runs: dict[str, RunState],
-        cond: threading.Condition,
-        telemetry: Telemetry | None = None,
-        history: MetricHistory | None = None,
-        progress: ProgressBoard | None = None,
+        state: SharedState,
+        meter: DutyMeter,
+        telemetry: Telemetry,
+        progress: ProgressBoard,
+        max_prefill_tokens: int,
     ) -> None:
-        self.engine, self.store, self.futures, self.layout = engine, store, futures, layout
-        self.runs, self.cond = runs, cond
-        self.telemetry = telemetry or Telemetry()
-        self.history = history or MetricHistory(store)
-        self.progress = progress or ProgressBoard()
+        self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
+        self.meter, self.telemetry, self.progress = meter, telemetry, progress
+        self.max_prefill_tokens = max_prefill_tokens
+        # The last record whose call the engine may have to take back, and how.
+        self._open: tuple[Receipt, Callable[[], None]] | None = None
 
+    # --- the journal
+    def hand_over(self, record: Record, undo: Callable[[], None] | None = None) -> None:
+        """Queue a record; with `undo`, keep it open until the next `settle` (one at most: callers settle
+        before every call that could open another)."""
+        if not record:
+            return
+        receipt = self.journal.append(record)
+        if undo is not None:
+            assert self._open is None, "a record was opened before the previous one was settled"
+            self._open = (receipt, undo)
+
+    def settle(self, block: bool = True) -> None:
+        """Learn whether the open record was written, and take its call back if it was not. Called before
+        every call that may change a slot (blocking), and by the loop each cycle (not blocking), so a
+        failed write is undone at once even when nothing else comes."""
+        if self._open is None:
+            return
+        receipt, undo = self._open
+        if not block and not receipt.is_settled:
+            return
+        self._open = None
+        with self.meter.state(DURABLE):
+            durable = receipt.wait()
+        if not durable:
+            undo()
+
+    def _write_through(self, record: Record) -> bool:
+        """Queue a record and wait until it is durable (True) or known never to be (False)."""
+        receipt = self.journal.append(record)
+        with self.meter.state(DURABLE):
+            return receipt.wait()
+
+    # --- work
     def execute(self, work: Work) -> None:
-        """One work item; an unexpected failure fails its requests (as server errors), never the worker."""
+        """One work item; an unexpected failure fails its requests (as server errors), never the loop."""
         try:
             if isinstance(work, PassWork):
                 self._run_pass(work.items)
@@ -83,17 +130,20 @@ class Executor:
                 self._run_barrier(work.run, work.entry)
         except Exception as exc:
             log.exception("engine work failed: %s of %d requests", type(work).__name__, len(work_items(work)))
-            for _, entry in work_items(work):
-                self.futures.fail_if_pending(entry.future_id, exc)
+            # Requests that already have an outcome keep it: the writer records only a future's first.
+            self.hand_over(Record({entry.future_id: exc for _, entry in work_items(work)}))
 
-    # --- work kinds
     def _run_pass(self, items: list[tuple[RunState, Entry]]) -> None:
+        self.settle()
+        items = self._with_slots(items)
+        if not items:
+            return
         requests = []
         for run, entry in items:
             cmd = entry.command
             assert isinstance(cmd, ForwardBackward)
             requests.append(
-                PassRequest(_slot_of(run), cmd.loss_fn, cmd.loss_fn_config, cmd.datums, cmd.forward_only)
+                PassRequest(run.slot, cmd.loss_fn, cmd.loss_fn_config, cmd.datums, cmd.forward_only)
             )
         start = time.perf_counter()
         results = self.engine.run_pass(requests, keep_undo=True)
@@ -104,154 +154,137 @@ class Executor:
             tenants=len({run.tenant for run, _ in items}),
             duration_s=time.perf_counter() - start,
         )
-        had_gradients = [run.pending_gradients for run, _ in items]
+        record = Record(is_undone_if_unwritten=True)
+        had_gradients = [(run, run.pending_gradients) for run, _ in items]
         for (run, entry), result in zip(items, results, strict=True):
-            if not isinstance(result, Exception) and not entry.command.forward_only:  # type: ignore[union-attr]
-                run.pending_gradients = True
-        outcomes = {entry.future_id: result for (_, entry), result in zip(items, results, strict=True)}
-        if not self._finish_or_undo(outcomes, items, had_gradients):
-            return
-        for (run, entry), result in zip(items, results, strict=True):
+            record.outcomes[entry.future_id] = result
             if isinstance(result, PassResult):
-                self._record_pass_metrics(run, entry, result)
+                record.facts.append(_pass_metrics(run, entry, result))
+                if not entry.command.forward_only:  # type: ignore[union-attr]
+                    run.pending_gradients = True
 
-    def _record_pass_metrics(self, run: RunState, entry: Entry, result: PassResult) -> None:
-        """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken."""
-        assert isinstance(entry.command, ForwardBackward)
-        if entry.command.forward_only:
-            self.history.record(run.run_id, entry.seq_id, run.optim_steps, FORWARD, result.metrics)
-        else:
-            step = run.optim_steps + 1
-            self.history.record(run.run_id, entry.seq_id, step, FORWARD_BACKWARD, result.metrics)
+        def undo() -> None:
+            self.engine.undo_last()
+            for run, pending in had_gradients:
+                run.pending_gradients = pending
+            log.warning("took back a pass of %d requests whose outcomes could not be recorded", len(items))
+
+        self.hand_over(record, undo)
+
+    def _with_slots(self, items: list[tuple[RunState, Entry]]) -> list[tuple[RunState, Entry]]:
+        """The items whose runs hold their slot. A run loses it between planning and execution only when the
+        write of its creation failed and the creation was taken back: its requests fail with a server
+        error, never run on the base model."""
+        kept = [(run, entry) for run, entry in items if run.slot is not None]
+        if dropped := [entry for run, entry in items if run.slot is None]:
+            error = ServerError("this training run was not created (its creation could not be recorded)")
+            self.hand_over(Record(dict.fromkeys((entry.future_id for entry in dropped), error)))
+        return kept
 
     def _run_optim(self, items: list[tuple[RunState, Entry]]) -> None:
-        steps = {_slot_of(run): entry.command.params for run, entry in items}  # type: ignore[union-attr]
+        self.settle()
+        items = self._with_slots(items)
+        if not items:
+            return
+        steps = {run.slot: entry.command.params for run, entry in items}  # type: ignore[union-attr]
         start = time.perf_counter()
-        metrics = self.engine.optim_step(steps, keep_undo=True)
-        self.telemetry.record_optim_step(len(steps), time.perf_counter() - start)
-        had_gradients = [run.pending_gradients for run, _ in items]
+        prepared = self.engine.prepare_step(steps)  # type: ignore[arg-type]
+        prepare_s = time.perf_counter() - start
+        record = Record(is_undone_if_unwritten=True)
+        for run, entry in items:
+            metrics = prepared.metrics[run.slot]  # type: ignore[index]
+            # A skipped step's grad_norm is NaN or inf, which JSON cannot carry and the SDK's float metrics
+            # refuse: it is left out; skipped_nonfinite says why.
+            finite = {k: v for k, v in metrics.items() if math.isfinite(v)}
+            record.outcomes[entry.future_id] = {"metrics": finite}
+            record.facts.append(
+                MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, OPTIM_STEP, metrics)
+            )
+        if not self._write_through(record):
+            self.engine.abort_step(prepared)
+            log.warning("aborted a step of %d runs whose outcomes could not be recorded", len(items))
+            return
+        start = time.perf_counter()
+        try:
+            self.engine.apply_step(prepared)
+        except Exception as exc:  # its outcome is recorded, but the slots are not usable any more
+            log.exception("an optimizer step failed after it was recorded; its runs are lost")
+            for run, _ in items:
+                self.lose(run, exc, f"training run {run.run_id} lost its state in a failed optimizer step")
+            return
+        self.telemetry.record_optim_step(len(steps), prepare_s + time.perf_counter() - start)
         for run, _ in items:
             run.pending_gradients = False
-        # A skipped step's grad_norm is NaN or inf, which JSON cannot carry and the SDK's float metrics
-        # refuse: it is left out; skipped_nonfinite says why.
-        finite = {slot: {k: v for k, v in m.items() if math.isfinite(v)} for slot, m in metrics.items()}
-        outcomes = {entry.future_id: {"metrics": finite[run.slot]} for run, entry in items}  # type: ignore[index]
-        if not self._finish_or_undo(outcomes, items, had_gradients):
-            return
-        for run, entry in items:
             run.optim_steps += 1
-            self.history.record(run.run_id, entry.seq_id, run.optim_steps, OPTIM_STEP, metrics[run.slot])  # type: ignore[index]
-
-    def _finish_or_undo(
-        self, outcomes: dict[str, Result], items: list[tuple[RunState, Entry]], had_gradients: list[bool]
-    ) -> bool:
-        """Record a pass's or step's outcomes; True if recorded. If they cannot be recorded, its requests
-        fail: take the work back, so that their retry counts once (the engine keeps what it needs until its
-        next call)."""
-        if self.futures.finish(outcomes, undone_if_unrecorded=True):
-            return True
-        self.engine.undo_last()
-        for (run, _), pending in zip(items, had_gradients, strict=True):
-            run.pending_gradients = pending
-        log.warning("took back the work of %d requests whose outcomes could not be recorded", len(items))
-        return False
 
     def _run_barrier(self, run: RunState, entry: Entry) -> None:
+        self.settle()
         try:
-            result = self._barrier_result(run, entry.command)
+            record = self._barrier(run, entry)
         except UserError as exc:
-            self.futures.fail(entry.future_id, exc)
-            return
-        self.futures.complete(entry.future_id, result)
+            record = Record({entry.future_id: exc})
+        self.hand_over(record)
 
-    def _barrier_result(self, run: RunState, cmd: object) -> dict[str, object]:
-        owner = owner_digest(run.tenant)
+    def _barrier(self, run: RunState, entry: Entry) -> Record:
+        cmd, future_id = entry.command, entry.future_id
         slot = _slot_of(run)
         if isinstance(cmd, LoadState):
             source = self.layout.checkpoint_dir(cmd.source)
             with self.progress.track("load checkpoint", run.tenant, str(cmd.source), reads=source):
-                self.engine.load_state(source, self.source_owner(cmd.source), cmd.with_optimizer, slot=slot)
+                self.engine.load_state(source, cmd.source_owner, cmd.with_optimizer, slot=slot)
             run.pending_gradients = False
-            return {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
+            return Record(
+                {future_id: {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}}
+            )
         if isinstance(cmd, SaveState):
             path = CheckpointPath(run.run_id, "weights", cmd.name)
-            self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_state(slot, d, owner))
-            return {"path": str(path), "type": "save_weights"}
-        if isinstance(cmd, SaveExternal):
-            path = CheckpointPath(run.run_id, "external_weights", cmd.name)
-            size = self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_snapshot(slot, d))
-            return {"path": str(path), "size_bytes": size, "type": "save_weights_external"}
-        if isinstance(cmd, SaveSnapshot) and cmd.name is not None:
-            path = CheckpointPath(run.run_id, "sampler_weights", cmd.name)
-            self._save_checkpoint(run, path, cmd, lambda d: self.engine.save_snapshot(slot, d))
-            return {"path": str(path), "type": "save_weights_for_sampler"}
+            owner = owner_digest(run.tenant)
+            return self._save(run, path, cmd, future_id, lambda d: self.engine.save_state(slot, d, owner))
+        if isinstance(cmd, SaveExternal | SaveSnapshot) and cmd.name is not None:
+            kind = "external_weights" if isinstance(cmd, SaveExternal) else "sampler_weights"
+            path = CheckpointPath(run.run_id, kind, cmd.name)
+            return self._save(run, path, cmd, future_id, lambda d: self.engine.save_snapshot(slot, d))
         if isinstance(cmd, SaveSnapshot) and cmd.sampler_id is not None:
-            if self.store.get_sampler(cmd.sampler_id) is not None:
-                raise UserError(
-                    f"sampling session {cmd.sampler_id} already exists; each sampling_session_seq_id of a "
-                    "session names one sampler"
-                )
             directory = self.layout.snapshot_dir(cmd.sampler_id)
+            if directory.exists():  # the control plane checked the sampler id; this catches a copy in flight
+                raise UserError(f"sampling session {cmd.sampler_id} already exists")
             with self.progress.track("save sampler snapshot", run.tenant, cmd.sampler_id, writes=directory):
                 self.engine.save_snapshot(slot, directory)
-            self.store.add_sampler(
-                SamplerRow(
-                    id=cmd.sampler_id,
-                    session_id=run.session_id,
-                    tenant=run.tenant,
-                    base_model=run.base_model,
-                    model_path=None,
-                    snapshot_dir=str(directory),
-                    created_at=utcnow(),
-                )
-            )
-            return {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
+            sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
+            result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
+            return Record({future_id: result}, [sampler], written=directory)
         raise ServerError(f"no executor for command {type(cmd).__name__}")
 
-    def _save_checkpoint(
+    def _save(
         self,
         run: RunState,
         path: CheckpointPath,
         cmd: SaveState | SaveSnapshot | SaveExternal,
+        future_id: str,
         write: Callable[[Path], int],
-    ) -> int:
-        if not getattr(cmd, "overwrite", False) and self.store.get_checkpoint(
-            run.run_id, path.kind, path.name
-        ):
+    ) -> Record:
+        """Write a named checkpoint's files; its row goes in the record. The control plane refused a name
+        already saved when the request came; a directory present now is a copy saved since (only this
+        thread writes checkpoints), refused unless the request overwrites."""
+        directory = self.layout.checkpoint_dir(path)
+        existed = directory.exists()
+        if existed and not getattr(cmd, "overwrite", False):
             raise UserError(
                 f"checkpoint {path} already exists; pick another name or save with overwrite=True"
             )
-        directory = self.layout.checkpoint_dir(path)
         with self.progress.track(_SAVE_KINDS[path.kind], run.tenant, str(path), writes=directory):
             size = write(directory)
-        now = utcnow()
-        expires = None if cmd.ttl_seconds is None else now + timedelta(seconds=cmd.ttl_seconds)
-        self.store.put_checkpoint(
-            CheckpointRow(
-                run_id=run.run_id,
-                kind=path.kind,
-                name=path.name,
-                tenant=run.tenant,
-                size_bytes=size,
-                created_at=now,
-                expires_at=expires,
-                user_metadata=cmd.user_metadata,
-            )
-        )
-        return size
-
-    def source_owner(self, path: CheckpointPath) -> str:
-        """The owner digest stamped into a checkpoint: its saver's (a published one may be another
-        tenant's; the service checked the reader may read it)."""
-        row = self.store.get_checkpoint(path.run_id, path.kind, path.name)
-        if row is None:
-            raise UserError(f"checkpoint {path} not found")
-        return owner_digest(row.tenant)
+        saved = CheckpointSaved(path, run.tenant, size, cmd.ttl_seconds, cmd.user_metadata)
+        result: dict[str, object] = {"path": str(path), "type": _RESULT_TYPES[path.kind]}
+        if path.kind == "external_weights":
+            result["size_bytes"] = size
+        return Record({future_id: result}, [saved], written=None if existed else directory)
 
     # --- residency
     def park(self, run: RunState) -> bool:
         """Save a resident run's whole state (gradients included) to disk and free its slot; False (logged,
         the run stays resident) if that failed."""
+        self.settle()
         slot = _slot_of(run)
         directory = self.layout.parked_dir(run.run_id)
         try:
@@ -261,10 +294,10 @@ class Executor:
         except Exception:
             log.exception("could not park run %s; it stays resident", run.run_id)
             return False
-        with self.cond:
+        with self.state.cond:
             run.slot, run.status, run.parked_dir = None, PARKED, directory
             run.waiting_since = time.monotonic() if run.queue.ready() else None
-        self._record_status(run)
+        self.hand_over(Record(facts=[RunStatusChanged(run.run_id, PARKED)]))
         log.info("parked run %s to %s", run.run_id, directory)
         return True
 
@@ -272,6 +305,7 @@ class Executor:
         """Give a waiting run a slot: create its adapter (its first command) or bring it back from disk. No
         free slot (a park before it failed): it keeps waiting. A failure of the run's own making fails its
         request; a parked state that cannot be read loses the run, failing what it had queued."""
+        self.settle()
         try:
             if run.status == PARKED:
                 self._unpark(run)
@@ -280,44 +314,54 @@ class Executor:
         except CapacityError:
             log.warning("no free slot for run %s; it keeps waiting", run.run_id)
             return
-        with self.cond:
+        with self.state.cond:
             run.waiting_since = None
 
     def _create(self, run: RunState) -> None:
-        with self.cond:
+        with self.state.cond:
             (entry,) = run.queue.ready()[:1]
         cmd = entry.command
         try:
             if isinstance(cmd, CreateRun):
-                run.slot = self.engine.create_slot(cmd.lora_config)
-                run.lora_config = cmd.lora_config
+                slot, config = self.engine.create_slot(cmd.lora_config), cmd.lora_config
                 result: dict[str, object] = {"model_id": run.run_id, "type": "create_model"}
             elif isinstance(cmd, CreateRunFromCheckpoint):
                 source = self.layout.checkpoint_dir(cmd.source)
                 with self.progress.track("load checkpoint", run.tenant, str(cmd.source), reads=source):
-                    run.slot, run.lora_config = self.engine.load_state(
-                        source, self.source_owner(cmd.source), cmd.with_optimizer
-                    )
+                    slot, config = self.engine.load_state(source, cmd.source_owner, cmd.with_optimizer)
                 result = {"model_id": run.run_id, "path": str(cmd.source), "type": "load_weights"}
             else:
                 raise ServerError(f"run {run.run_id} has no slot and starts with {type(cmd).__name__}")
-            self._record_run(run)
         except CapacityError:
             raise
         except Exception as exc:
-            if run.slot is not None:
-                self.engine.free_slot(run.slot)
-                run.slot = None
-            with self.cond:
-                run.queue.pop(1)
-                later = run.queue.abandon_all()
-                self.runs.pop(run.run_id, None)
-            after = UserError(f"training run {run.run_id} was not created: {exc}")
-            self.futures.finish({entry.future_id: exc} | {e.future_id: after for e in later})
+            self._forget(run, {entry.future_id: exc}, f"training run {run.run_id} was not created: {exc}")
             return
-        with self.cond:
+        with self.state.cond:
+            run.slot, run.lora_config = slot, config
             run.queue.pop(1)
-        self.futures.complete(entry.future_id, result)
+        created = RunCreated(
+            run.run_id, run.session_id, run.tenant, run.base_model, config, run.user_metadata
+        )
+
+        def undo() -> None:
+            self.engine.free_slot(slot)
+            with self.state.cond:
+                run.slot = None
+            self._forget(run, {}, f"training run {run.run_id} was not created (it could not be recorded)")
+
+        self.hand_over(Record({entry.future_id: result}, [created], is_undone_if_unwritten=True), undo)
+
+    def _forget(self, run: RunState, outcomes: dict[str, Outcome], why: str) -> None:
+        """Drop a run that was never created, failing what it had queued after its creation with `why`."""
+        with self.state.cond:
+            if outcomes:
+                run.queue.pop(1)
+            later = run.queue.abandon_all()
+            self.state.runs.pop(run.run_id, None)
+            self.state.active.pop(run.run_id, None)
+        after = UserError(why)
+        self.hand_over(Record(outcomes | {e.future_id: after for e in later}))
 
     def _unpark(self, run: RunState) -> None:
         assert run.parked_dir is not None
@@ -329,55 +373,80 @@ class Executor:
             raise
         except Exception as exc:
             log.exception("could not bring back parked run %s; it is lost", run.run_id)
-            self.lose(run, exc)
+            why = f"training run {run.run_id} could not be restored from disk (the server log says why)"
+            self.lose(run, exc, why)
             return
-        with self.cond:
+        with self.state.cond:
             run.status, run.parked_dir = LIVE, None
-        self._record_status(run)
-        shutil.rmtree(directory, ignore_errors=True)
+        self.hand_over(Record(facts=[RunStatusChanged(run.run_id, LIVE)], obsolete=[directory]))
         log.info("resumed parked run %s", run.run_id)
 
-    def lose(self, run: RunState, cause: Exception) -> None:
-        """Mark a run lost and fail every command it has queued."""
-        with self.cond:
+    def lose(self, run: RunState, cause: Exception, why: str) -> None:
+        """Mark a run lost and fail every command it has queued with `why`."""
+        with self.state.cond:
             run.status = LOST
             dropped = run.queue.abandon_all()
-        self._record_status(run)
         log.error("run %s is lost: %r", run.run_id, cause)
-        error = ServerError(
-            f"training run {run.run_id} could not be restored from disk (the server log says why)"
-        )
-        self.futures.finish({entry.future_id: error for entry in dropped})
+        error = ServerError(why)
+        outcomes: dict[str, Outcome] = {entry.future_id: error for entry in dropped}
+        self.hand_over(Record(outcomes, [RunStatusChanged(run.run_id, LOST)]))
 
-    def _record_status(self, run: RunState) -> None:
+    # --- sampling (reads immutable snapshots: changes no slot, so nothing to settle)
+    def admit_sample(self, job: SampleJob) -> None:
+        """Hand one request to the engine, exporting its training checkpoint first if it needs one."""
         try:
-            self.store.update_run(run.run_id, status=run.status)
-        except Exception:  # the in-memory state is the truth; a restart re-derives status from the data dir
-            log.exception("could not record run %s as %s", run.run_id, run.status)
+            snapshot = job.request.snapshot
+            if job.export_from is not None and snapshot is not None and not snapshot.exists():
+                source = self.layout.checkpoint_dir(job.export_from)
+                with self.progress.track(
+                    "export for sampler", job.tenant, str(job.export_from), reads=source, writes=snapshot
+                ):
+                    self.engine.export_snapshot(source, snapshot, job.export_owner)
+            self.engine.add_sample(job.future_id, job.request)
+        except Exception as exc:
+            self._finish_samples({job.future_id: exc})
 
-    def _record_run(self, run: RunState) -> None:
-        assert run.lora_config is not None
-        now = utcnow()
-        self.store.add_run(
-            RunRow(
-                id=run.run_id,
-                session_id=run.session_id,
-                tenant=run.tenant,
-                base_model=run.base_model,
-                lora_config=vars(run.lora_config),
-                user_metadata=run.user_metadata,
-                status=LIVE,
-                created_at=now,
-                last_request_at=now,
-            )
-        )
+    def step_sampler(self) -> None:
+        """One sampler step; the requests it finished go to the journal."""
+        start = time.perf_counter()
+        try:
+            finished = self.engine.step_sampler(self.max_prefill_tokens)
+        except Exception as exc:  # the engine dropped every request it held: fail them all
+            log.exception("sampler step failed")
+            with self.state.cond:
+                dropped = self.state.samples.active_ids()
+            self._finish_samples(dict.fromkeys(dropped, exc))
+            return
+        elapsed_s = time.perf_counter() - start
+        self._finish_samples(dict(finished))
+        self.telemetry.record_sampler_step(elapsed_s, self.engine.usage())
+
+    def _finish_samples(self, outcomes: dict[str, Outcome]) -> None:
+        with self.state.cond:
+            for future_id in outcomes:
+                self.state.samples.finish(future_id)
+        self.hand_over(Record(outcomes))
 
 
-# What saving each kind of checkpoint is called where work in progress is shown (progress.py).
+def _pass_metrics(run: RunState, entry: Entry, result: PassResult) -> MetricsRecorded:
+    """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken."""
+    assert isinstance(entry.command, ForwardBackward)
+    if entry.command.forward_only:
+        return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps, FORWARD, result.metrics)
+    return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, FORWARD_BACKWARD, result.metrics)
+
+
+# What saving each kind of checkpoint is called where work in progress is shown (progress.py), and the
+# `type` of its result.
 _SAVE_KINDS = {
     "weights": "save checkpoint",
     "sampler_weights": "save sampler weights",
     "external_weights": "export weights",
+}
+_RESULT_TYPES = {
+    "weights": "save_weights",
+    "sampler_weights": "save_weights_for_sampler",
+    "external_weights": "save_weights_external",
 }
 
 

@@ -42,6 +42,7 @@ class SampleJob:
     tenant: str
     request: SampleRequest  # request.snapshot is set: the snapshot directory, or None for the base model
     export_from: CheckpointPath | None = None  # a training checkpoint to export into request.snapshot first
+    export_owner: str = ""  # the owner digest stamped into export_from (the engine checks it)
 
     @property
     def num_samples(self) -> int:

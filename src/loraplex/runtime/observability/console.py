@@ -14,17 +14,19 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from loraplex.engine.interface import EngineInfo
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import NotFoundError
 from loraplex.runtime.control.catalog import Catalog, CheckpointView
 from loraplex.runtime.control.downloads import URL_LIFETIME_S, DownloadSigner
 from loraplex.runtime.control.keys import LOCAL_TENANT, Viewer
-from loraplex.runtime.control.store import Store, as_utc
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import FutureRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
 from loraplex.runtime.observability.history import MetricHistory, MetricSeries
 from loraplex.runtime.observability.progress import Progress, ProgressBoard
 from loraplex.runtime.observability.telemetry import ServerSnapshot, Telemetry
+from loraplex.timestamps import as_utc
 
 # Most rows a list page shows; most points a chart draws per kind of request.
 PAGE_ROWS = 100
@@ -123,10 +125,12 @@ class Console:
         progress: ProgressBoard,
         telemetry: Telemetry,
         downloads: DownloadSigner,
+        info: EngineInfo,
     ) -> None:
         self._store, self._layout, self._catalog = store, layout, catalog
         self._history, self._progress, self._telemetry = history, progress, telemetry
         self._downloads = downloads
+        self.info = info  # what the server page names: the model and the device
 
     def runs(self, viewer: Viewer, limit: int = PAGE_ROWS, offset: int = 0) -> tuple[list[RunSummary], int]:
         """A page of the runs the viewer may see, newest first, and their total."""

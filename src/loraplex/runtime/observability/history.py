@@ -1,28 +1,24 @@
 """Each run's metric history: every forward_backward's and forward's metrics (loss:sum, ...) and every
 optim_step's (grad_norm, learning_rate), for the web console's charts.
 
-The engine worker records each finished request here (an append under a small lock) and writes what it
-recorded to the store in one transaction at most every `flush_s`, outside the service lock, so a pass
-costs no extra database round trip. A crash loses at most that last moment of history. The console
-reads a run's history back thinned to a bounded number of points per kind. Retention bounds the table
-(runtime/control/retention.py). No tensors, no HTTP.
+The engine loop puts each finished request's metrics in the record of its engine call
+(core/journal.py: MetricsRecorded), and the writer stores them in the same transaction as the requests'
+outcomes (control/writer.py): a request's metrics are in its run's history by the time its outcome is
+visible, and a crash loses neither one without the other. The console reads a run's history back thinned to
+a bounded number of points per kind. Retention bounds the table (control/retention.py). No tensors, no HTTP.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
-import threading
-import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
-from loraplex.runtime.control.store import Store, utcnow
+from loraplex.runtime.control.store import Store
+from loraplex.runtime.core.journal import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, MetricsRecorded
 
-log = logging.getLogger(__name__)
-
-FORWARD_BACKWARD, FORWARD, OPTIM_STEP = "forward_backward", "forward", "optim_step"
 _KIND_ORDER = (FORWARD_BACKWARD, FORWARD, OPTIM_STEP)
 
 
@@ -36,64 +32,25 @@ class MetricSeries:
     total: int  # records of this kind the run's history holds
 
 
+def metric_row(entry: MetricsRecorded, recorded_at: datetime) -> dict[str, Any]:
+    """The history row of one request's metrics (non-finite values left out, as the SDK's results leave
+    them out)."""
+    finite = {k: v for k, v in entry.metrics.items() if math.isfinite(v)}
+    return {
+        "run_id": entry.run_id,
+        "seq_id": entry.seq_id,
+        "step": entry.step,
+        "kind": entry.kind,
+        "metrics": json.dumps(finite),
+        "recorded_at": recorded_at,
+    }
+
+
 class MetricHistory:
-    """Buffers metric records on the engine worker and writes them to the store in batches."""
+    """Reads runs' metric histories from the store."""
 
-    def __init__(
-        self,
-        store: Store,
-        flush_s: float = 0.5,
-        max_buffered: int = 100_000,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._store, self._flush_s, self._max_buffered, self._clock = store, flush_s, max_buffered, clock
-        self._lock = threading.Lock()
-        self._writing = threading.Lock()  # one write at a time, in order, so last steps never go back
-        self._rows: list[dict[str, object]] = []
-        self._last_steps: dict[str, int] = {}  # run -> optimizer steps taken, as of the buffered records
-        self._next_flush = clock() + flush_s
-        self.dropped = 0  # records lost to a full buffer (the database refusing for long)
-
-    def record(self, run_id: str, seq_id: int, step: int, kind: str, metrics: Mapping[str, float]) -> None:
-        """Remember one request's metrics (non-finite values left out, as the SDK's results leave them)."""
-        row = {
-            "run_id": run_id,
-            "seq_id": seq_id,
-            "step": step,
-            "kind": kind,
-            "metrics": json.dumps({k: v for k, v in metrics.items() if math.isfinite(v)}),
-            "recorded_at": utcnow(),
-        }
-        with self._lock:
-            if len(self._rows) >= self._max_buffered:  # bounded: the oldest go first
-                del self._rows[0]
-                self.dropped += 1
-            self._rows.append(row)
-            if kind == OPTIM_STEP:
-                self._last_steps[run_id] = step
-
-    def flush_if_due(self) -> None:
-        """Write the buffered records if `flush_s` has passed since the last write (the engine loop's
-        housekeeping, every cycle)."""
-        if self._clock() >= self._next_flush:
-            self.flush()
-
-    def flush(self) -> None:
-        """Write every buffered record now; on a database error they stay buffered for the next try."""
-        self._next_flush = self._clock() + self._flush_s
-        with self._writing:
-            with self._lock:
-                rows, self._rows = self._rows, []
-                last_steps, self._last_steps = self._last_steps, {}
-            if not rows:
-                return
-            try:
-                self._store.add_metrics(rows, last_steps)
-            except Exception:
-                log.exception("could not record %d metric records; will retry", len(rows))
-                with self._lock:
-                    self._rows[:0] = rows[-self._max_buffered :]
-                    self._last_steps = last_steps | self._last_steps
+    def __init__(self, store: Store) -> None:
+        self._store = store
 
     def series(self, run_id: str, max_points: int = 1000) -> list[MetricSeries]:
         """A run's recorded metrics, one series per (kind, metric name), losses first; each kind thinned

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from loraplex.runtime.control.store import utcnow
+from loraplex.timestamps import utcnow
 
 RUNNING, DONE, FAILED = "running", "done", "failed"
 _KEPT = 32

@@ -7,7 +7,7 @@ SQL, no Prometheus: the API layer turns snapshots into metrics (api/metrics.py).
 
 API (stable; the console and /metrics read it):
 
-    telemetry = Telemetry(device="cuda:0", clock=time.monotonic)  # owned by TrainingService
+    telemetry = Telemetry(device="cuda:0", clock=time.monotonic)  # owned by the Runtime
     # fed by the engine loop (runtime/core/engine_loop.py, runtime/core/executor.py):
     telemetry.record_pass(tokens, requests, runs, tenants, duration_s)   # one packed training pass
     telemetry.record_optim_step(runs, duration_s)                       # one fused AdamW step

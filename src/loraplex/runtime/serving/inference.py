@@ -1,7 +1,7 @@
 """Inference for the OpenAI-compatible endpoints, on the same sampler, futures and limits as Tinker sampling.
 
 A `model` names the base model, one of the caller's `tinker://` sampler_weights or weights checkpoints, or
-one of the caller's aliases. Each request goes through TrainingService.sample on a sampler the tenant
+one of the caller's aliases. Each request goes through SamplerService.sample on a sampler the tenant
 owns: one per (tenant, model), made on first use in a per-tenant session this server opens for them, so
 it returns exactly what an SDK `sample` of the same request returns. Alternatives to sampled tokens
 (top_logprobs) come from one more request that scores prompt + completion, as compute_logprobs does.
@@ -19,11 +19,14 @@ from datetime import datetime
 
 import numpy as np
 
+from loraplex.engine.interface import EngineInfo
 from loraplex.engine.sampler.validation import resolved_max_tokens
 from loraplex.errors import NotFoundError, ServerError, UserError
 from loraplex.runtime.control.aliases import AliasTable, validate_alias
-from loraplex.runtime.control.futures import FAILED, FutureRecord
-from loraplex.runtime.control.service import TrainingService
+from loraplex.runtime.control.catalog import Catalog
+from loraplex.runtime.control.futures import FAILED, FutureRecord, FutureTable
+from loraplex.runtime.control.samplers import SamplerService
+from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.sampling import SampleRequest, SampleResult, SamplingParams
 from loraplex.runtime.serving.completions import Choice, Completion, to_choice, to_prompt, with_top
@@ -66,10 +69,20 @@ class ModelCard:
 
 
 class InferenceService:
-    """Resolves model names, keeps the tenants' samplers, and runs generations through TrainingService."""
+    """Resolves model names, keeps the tenants' samplers, and runs generations through SamplerService."""
 
-    def __init__(self, service: TrainingService, aliases: AliasTable, codec: TextCodec | None) -> None:
-        self.service, self.aliases, self._codec = service, aliases, codec
+    def __init__(
+        self,
+        info: EngineInfo,
+        samplers: SamplerService,
+        futures: FutureTable,
+        sessions: SessionTable,
+        catalog: Catalog,
+        aliases: AliasTable,
+        codec: TextCodec | None,
+    ) -> None:
+        self.info, self.samplers, self.futures, self.sessions = info, samplers, futures, sessions
+        self.catalog, self.aliases, self._codec = catalog, aliases, codec
         self.started_at = datetime.now().astimezone()
         self._lock = threading.Lock()
         self._sessions: dict[str, str] = {}  # tenant -> the session its samplers belong to
@@ -80,7 +93,7 @@ class InferenceService:
     @property
     def base_model(self) -> str:
         """The served model's name."""
-        return self.service.info.model_name
+        return self.info.model_name
 
     @property
     def codec(self) -> TextCodec:
@@ -112,7 +125,7 @@ class InferenceService:
         cards = [ModelCard(self.base_model, self.started_at, "loraplex", self.base_model, None)]
         offset, page = 0, 1000
         while True:
-            views, total = self.service.catalog.tenant_checkpoints(tenant, page, offset)
+            views, total = self.catalog.tenant_checkpoints(tenant, page, offset)
             cards += [
                 ModelCard(str(v.path), v.created_at, tenant, str(v.path), self.base_model)
                 for v in views
@@ -123,7 +136,7 @@ class InferenceService:
                 break
         cards += [
             ModelCard(str(v.path), v.created_at, "published", str(v.path), self.base_model)
-            for v in self.service.catalog.published_checkpoints(tenant)
+            for v in self.catalog.published_checkpoints(tenant)
             if v.path.kind == "sampler_weights"
         ]
         for alias, target in self.aliases.of(tenant).items():
@@ -138,7 +151,7 @@ class InferenceService:
             raise ModelNotFoundError(model)
         try:
             path = CheckpointPath.parse(target)
-            self.service.catalog.readable_checkpoint(tenant, path)  # the tenant's own, or published
+            self.catalog.readable_checkpoint(tenant, path)  # the tenant's own, or published
         except UserError as exc:  # malformed, missing, deleted, or another tenant's: all look alike
             raise ModelNotFoundError(model) from exc
         return str(path)
@@ -206,7 +219,7 @@ class InferenceService:
         return with_top(codec, choice, await self._sample(tenant, model_path, request), len(prompt))
 
     def _check_room_to_score(self, prompt: list[int], params: SamplingParams) -> None:
-        context = self.service.info.max_context_length
+        context = self.info.max_context_length
         max_tokens = resolved_max_tokens(SampleRequest(np.asarray(prompt), params), context)
         if len(prompt) + max_tokens >= context:
             raise UserError(
@@ -217,9 +230,9 @@ class InferenceService:
     async def _sample(self, tenant: str, model_path: str | None, request: SampleRequest) -> SampleResult:
         """Queue `request` on the tenant's sampler of the model and wait for its result."""
         record = await asyncio.to_thread(self._submit, tenant, model_path, request)
-        record = await self.service.retrieve(tenant, record.id)
+        record = await self.futures.retrieve(tenant, record.id)
         while not record.is_done:
-            record = await self.service.retrieve(tenant, record.id)
+            record = await self.futures.retrieve(tenant, record.id)
         if record.status == FAILED:
             error = record.error or "sampling failed"
             raise UserError(error) if record.category == "user" else ServerError(error)
@@ -242,7 +255,7 @@ class InferenceService:
         """One try on the tenant's sampler of the model; a sampler that is gone is forgotten."""
         sampler_id = self._sampler(tenant, model_path)
         try:
-            return self.service.sample(tenant, sampler_id, next(self._sample_seqs), request)
+            return self.samplers.sample(tenant, sampler_id, next(self._sample_seqs), request)
         except NotFoundError:
             with self._lock:
                 if self._samplers.get((tenant, model_path)) == sampler_id:
@@ -256,9 +269,9 @@ class InferenceService:
         if sampler_id is not None:
             return sampler_id
         if session_id is None:
-            session_id = self.service.sessions.create(tenant, {"client": "openai-compatible endpoints"})
+            session_id = self.sessions.create(tenant, {"client": "openai-compatible endpoints"})
         base_model = self.base_model if model_path is None else None
-        sampler_id = self.service.create_sampler(
+        sampler_id = self.samplers.create_sampler(
             tenant, session_id, next(self._sampler_seqs), model_path, base_model
         )
         with self._lock:

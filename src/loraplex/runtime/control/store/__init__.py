@@ -1,5 +1,5 @@
 """Persistence of the control plane: tables, the Store repository, and the result codec. No tensors."""
 
-from loraplex.runtime.control.store.repository import FutureOutcome, RequestSpan, Store, as_utc, utcnow
+from loraplex.runtime.control.store.repository import FutureOutcome, RequestSpan, Store
 
-__all__ = ["FutureOutcome", "RequestSpan", "Store", "as_utc", "utcnow"]
+__all__ = ["FutureOutcome", "RequestSpan", "Store"]

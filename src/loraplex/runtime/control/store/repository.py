@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, fields
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, fields
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -33,8 +33,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine import Engine as SqlEngine
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from loraplex.errors import NotFoundError
 from loraplex.runtime.control.store.schema import (
     COLUMNS_ADDED,
     ApiKeyRow,
@@ -46,6 +48,7 @@ from loraplex.runtime.control.store.schema import (
     SamplerRow,
     SessionRow,
 )
+from loraplex.timestamps import as_utc, utcnow
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,27 @@ class FutureOutcome:
     result: str | None
     error: str | None
     category: str | None
+
+
+@dataclass
+class Batch:
+    """Rows the writer commits together: futures' outcomes, metric history, and the facts beside them."""
+
+    outcomes: list[FutureOutcome] = field(default_factory=list)
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # MetricRow columns but id
+    last_steps: dict[str, int] = field(default_factory=dict)  # run -> optimizer steps taken
+    runs: list[RunRow] = field(default_factory=list)  # runs created
+    statuses: dict[str, str] = field(default_factory=dict)  # run -> its new status
+    checkpoints: list[CheckpointRow] = field(default_factory=list)  # saved (replacing one of the same path)
+    samplers: list[SamplerRow] = field(default_factory=list)  # created by unnamed sampler saves
+
+
+class SeqIdTakenError(Exception):
+    """A (run or sampler, seq_id) already has a future: a copy of the request got there first."""
+
+
+class SamplerGoneError(NotFoundError):
+    """The sampler a request names was deleted (by retention, after it went unused)."""
 
 
 @dataclass(frozen=True)
@@ -71,16 +95,6 @@ class RequestSpan:
     error: str | None
     created_at: datetime
     completed_at: datetime | None
-
-
-def utcnow() -> datetime:
-    """The current time, timezone-aware UTC."""
-    return datetime.now(UTC)
-
-
-def as_utc(when: datetime) -> datetime:
-    """SQLite returns naive datetimes; every time we store is UTC."""
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _connect(url: str) -> SqlEngine:
@@ -236,10 +250,6 @@ class Store:
             s.execute(update(SessionRow).where(SessionRow.id == session_id).values(**values))
 
     # --- training runs
-    def add_run(self, row: RunRow) -> None:
-        """Store a new training run."""
-        self._add(row)
-
     def update_run(self, run_id: str, **values: Any) -> None:
         """Set columns of one run (status, last request time)."""
         with self._writing() as s:
@@ -259,12 +269,6 @@ class Store:
         return self._page(query.order_by(RunRow.created_at.desc(), RunRow.id), limit, offset)
 
     # --- checkpoints
-    def put_checkpoint(self, row: CheckpointRow) -> None:
-        """Insert a checkpoint, replacing one with the same path (overwrite was checked by the caller)."""
-        with self._writing() as s:
-            s.execute(delete(CheckpointRow).where(*_same_path(row.run_id, row.kind, row.name)))
-            s.add(row)
-
     def get_checkpoint(self, run_id: str, kind: str, name: str) -> CheckpointRow | None:
         """A checkpoint by path parts."""
         rows = self._all(select(CheckpointRow).where(*_same_path(run_id, kind, name)))
@@ -328,43 +332,60 @@ class Store:
         return self._all(query.order_by(SamplerRow.created_at.desc(), SamplerRow.id).limit(limit))
 
     # --- futures
-    # add_futures and finish_futures run on every request: prebuilt Core statements on a connection, not
-    # the ORM's unit of work, which costs several times more Python per row.
+    # add_futures and write_batch run on every request: prebuilt Core statements on a connection, not the
+    # ORM's unit of work, which costs several times more Python per row.
     def add_futures(self, rows: Sequence[FutureRow]) -> None:
-        """Store new futures in one transaction; a run's future also stamps the run's last request time and
-        highest seq_id, a sampler's its last use."""
+        """Store new futures of training runs (or none) in one transaction; a run's future also stamps the
+        run's last request time and highest seq_id."""
         if not rows:
             return
-        values = [{column.key: getattr(row, column.key) for column in _FUTURES.columns} for row in rows]
-        stamps: dict[Any, list[dict[str, Any]]] = {_STAMP_RUN: [], _STAMP_SAMPLER: []}
-        for row in rows:
-            if row.run_id is not None:
-                stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
-                stamps[_STAMP_SAMPLER if row.request_type == "Sample" else _STAMP_RUN].append(stamp)
-        with self._writing_core() as connection:
-            connection.execute(_INSERT_FUTURE, values)
-            for statement, params in stamps.items():
-                if params:
-                    connection.execute(statement, params)
-
-    def finish_futures(self, outcomes: Sequence[FutureOutcome]) -> None:
-        """Record the outcomes of several futures in one transaction."""
-        if not outcomes:
-            return
-        now = utcnow()
-        rows = [
-            {
-                "future_id": o.id,
-                "new_status": o.status,
-                "new_result": o.result,
-                "new_error": o.error,
-                "new_category": o.category,
-                "done_at": now,
-            }
-            for o in outcomes
+        values = [_future_values(row) for row in rows]
+        stamps = [
+            {"stamped_id": row.run_id, "stamped_at": row.created_at, "stamped_seq": row.seq_id}
+            for row in rows
+            if row.run_id is not None
         ]
         with self._writing_core() as connection:
-            connection.execute(_FINISH_FUTURE, rows)
+            connection.execute(_INSERT_FUTURE, values)
+            if stamps:
+                connection.execute(_STAMP_RUN, stamps)
+
+    def add_sample_future(self, row: FutureRow) -> None:
+        """Store a sampling request's future and stamp its sampler's last use, in one transaction.
+        SamplerGoneError if the sampler's row is gone (retention deleted it: the stamp, which a sweep checks
+        before it deletes, matched nothing); SeqIdTakenError if the (sampler, seq_id) already has a future
+        (a copy of the request wrote it first)."""
+        stamp = {"stamped_id": row.run_id, "stamped_at": row.created_at}
+        with self._writing_core() as connection:
+            if connection.execute(_STAMP_SAMPLER, stamp).rowcount == 0:
+                raise SamplerGoneError(f"sampler {row.run_id!r} not found")
+            try:
+                connection.execute(_INSERT_FUTURE, [_future_values(row)])
+            except IntegrityError as exc:
+                raise SeqIdTakenError(f"{row.run_id} seq_id {row.seq_id} has a future already") from exc
+
+    def write_batch(self, batch: Batch) -> None:
+        """Write what the writer gathered (control/writer.py) in one transaction. A future's outcome is
+        written only while the future is pending: its first outcome stands."""
+        with self._writing() as s:
+            if batch.runs:
+                s.add_all(batch.runs)
+                s.flush()
+            for run_id, status in batch.statuses.items():
+                s.execute(update(RunRow).where(RunRow.id == run_id).values(status=status))
+            for row in {(r.run_id, r.kind, r.name): r for r in batch.checkpoints}.values():  # the last wins
+                s.execute(delete(CheckpointRow).where(*_same_path(row.run_id, row.kind, row.name)))
+                s.add(row)
+            s.add_all(batch.samplers)
+            s.flush()
+            if batch.metrics:
+                s.execute(_INSERT_METRICS, batch.metrics)
+            if batch.last_steps:
+                steps = [{"stamped_id": run, "new_step": step} for run, step in batch.last_steps.items()]
+                s.execute(_SET_LAST_STEP, steps)
+            if batch.outcomes:
+                now = utcnow()
+                s.execute(_FINISH_FUTURE, [_outcome_values(outcome, now) for outcome in batch.outcomes])
 
     def get_future(self, future_id: str) -> FutureRow | None:
         """A future by id."""
@@ -420,18 +441,7 @@ class Store:
                 last[run_id] = max(seq, last.get(run_id, seq))
         return last
 
-    # --- metric history (runtime/observability/history.py)
-    def add_metrics(self, rows: Sequence[Mapping[str, Any]], last_steps: Mapping[str, int]) -> None:
-        """Append metric records (dicts of MetricRow's columns but id) and set each run's last step, in one
-        transaction."""
-        if not rows:
-            return
-        with self._writing_core() as connection:
-            connection.execute(_INSERT_METRICS, list(rows))
-            steps = [{"stamped_id": run_id, "new_step": step} for run_id, step in last_steps.items()]
-            if steps:
-                connection.execute(_SET_LAST_STEP, steps)
-
+    # --- metric history (runtime/observability/history.py; written by write_batch)
     def run_metrics(self, run_id: str, per_kind: int) -> tuple[list[MetricRow], dict[str, int]]:
         """A run's metric records, oldest first, and how many each kind has. A kind with more than
         `per_kind` is thinned in the database to every k-th record (k = ceil(count / per_kind)) and its
@@ -521,10 +531,17 @@ class Store:
         """Every sampling session (retention looks for the unreachable ones)."""
         return self._all(select(SamplerRow))
 
-    def delete_sampler(self, sampler_id: str) -> None:
-        """Forget a sampling session."""
+    def delete_unused_sampler(self, sampler_id: str, last_used_at: datetime | None) -> bool:
+        """Forget a sampling session if nobody used it since it was read (its last use is still
+        `last_used_at`): a request stamps the sampler as it is accepted (add_sample_future), so retention
+        never deletes a sampler from under one. True if it was deleted."""
+        unused = (
+            SamplerRow.last_used_at.is_(None)
+            if last_used_at is None
+            else (SamplerRow.last_used_at == last_used_at)
+        )
         with self._writing() as s:
-            s.execute(delete(SamplerRow).where(SamplerRow.id == sampler_id))
+            return s.execute(delete(SamplerRow).where(SamplerRow.id == sampler_id, unused)).rowcount > 0
 
     def sessions_by_id(self, session_ids: Sequence[str]) -> dict[str, SessionRow]:
         """The named sessions that exist."""
@@ -558,7 +575,7 @@ _STAMP_SAMPLER = (
 )
 _FINISH_FUTURE = (
     update(_FUTURES)
-    .where(_FUTURES.c.id == bindparam("future_id"))
+    .where(_FUTURES.c.id == bindparam("future_id"), _FUTURES.c.status == "pending")
     .values(
         status=bindparam("new_status"),
         result=bindparam("new_result"),
@@ -595,6 +612,21 @@ _INSERT_METRICS = insert(MetricRow.__table__)
 _SET_LAST_STEP = (
     update(_RUNS).where(_RUNS.c.id == bindparam("stamped_id")).values(last_step=bindparam("new_step"))
 )
+
+
+def _future_values(row: FutureRow) -> dict[str, Any]:
+    return {column.key: getattr(row, column.key) for column in _FUTURES.columns}
+
+
+def _outcome_values(outcome: FutureOutcome, now: datetime) -> dict[str, Any]:
+    return {
+        "future_id": outcome.id,
+        "new_status": outcome.status,
+        "new_result": outcome.result,
+        "new_error": outcome.error,
+        "new_category": outcome.category,
+        "done_at": now,
+    }
 
 
 def _idle_runs(before: datetime) -> Any:
