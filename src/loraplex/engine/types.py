@@ -36,6 +36,18 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedStep:
+    """A fused optimizer step computed by `Engine.prepare_step` and not yet applied or aborted.
+
+    Valid until the engine's next call that changes slots: `apply_step` or `abort_step` of it after any
+    such call (a pass, another prepare, a create, free or load) is refused. Compared by identity.
+    """
+
+    metrics: dict[int, dict[str, float]]  # slot -> grad_norm, learning_rate (and skipped_nonfinite: 1.0)
+    generation: int  # the engine's count of slot-changing calls when it was prepared (pending_step.py)
+
+
 @dataclass
 class DatumInput:
     """One sequence: N input tokens and its loss inputs, each with first dimension N."""
