@@ -188,8 +188,9 @@ def test_prepare_changes_nothing_and_abort_leaves_every_slot_as_before_it() -> N
 
 
 def test_prepare_reports_the_metrics_the_step_then_takes() -> None:
-    """The metrics of prepare_step are those of the step applied after it: the clipped norms of the
-    reference loop (step_slots_reference, within test_optimizer's tolerance)."""
+    """prepare_step's metrics are those of the reference loop (step_slots_reference: clip_grad_norm_'s
+    total norm, the learning rate), and the step applied after it is the reference's step, both within
+    test_optimizer's tolerance."""
     engine, reference = _trained_pair()
     steps = dict.fromkeys(engine.pool.live_slots, STEP)
     prepared = engine.prepare_step(steps)
