@@ -2,11 +2,11 @@
 interleaved rounds, the bench model.
 
 "bare" calls the pass and the fused step without their transactions (passes.run_pass and
-SlotPool.step directly, as before the change); "transactional" calls LocalEngine.run_pass and
-LocalEngine.optim_step, which first copy what they may change (engine/transactions.py). Two step
-shapes: a pass alone over accumulators that already hold gradients (the copy is taken: the
-worst case), and a training step of one pass + one fused optimizer step from zeroed accumulators
-(a pass then zeroes instead of copying; the step copies weights, moments and gradients).
+SlotPool.step directly); "transactional" calls LocalEngine.run_pass, which first copies the trained slots'
+accumulators if they hold gradients (engine/transactions.py), and LocalEngine.prepare_step + apply_step,
+the two-phase step the runtime runs, which copies nothing. Two step shapes: a pass alone over accumulators
+that already hold gradients (the copy is taken: the worst case), and a training step of one pass + one
+fused optimizer step from zeroed accumulators (the pass then zeroes instead of copying).
 
 Usage (repo root): .venv/bin/python bench/ab_transactions.py [--slots 8] [--tokens-per-slot 32] [--rounds 10]
 """
@@ -66,7 +66,9 @@ def main() -> None:
             "pass_bare": bare_pass,
             "pass_transactional": transactional_pass,
             "step_bare": step(bare_pass, lambda: engine.pool.step(steps)),
-            "step_transactional": step(transactional_pass, lambda: engine.optim_step(steps)),
+            "step_transactional": step(
+                transactional_pass, lambda: engine.apply_step(engine.prepare_step(steps))
+            ),
         }
         timings = time_interleaved(runs, args.rounds, 1, device)
     s = timings.seconds

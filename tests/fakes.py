@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from loraplex.engine.interface import Engine, EngineInfo
+from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.types import (
     AdamParams,
     LoraConfig,
@@ -74,7 +75,7 @@ class FakeEngine(Engine):
         self.optim_log: list[list[int]] = []
         self.sample_queue: list[tuple[str, SampleRequest]] = []
         self._undo: dict[int, _Slot] | None = None
-        self._prepared: _FakePrepared | None = None
+        self._step: PendingStep[tuple[dict[int, AdamParams], dict[int, float]]] = PendingStep()
 
     # --- slots
     def create_slot(self, config: LoraConfig) -> int:
@@ -84,9 +85,11 @@ class FakeEngine(Engine):
 
     def free_slot(self, slot: int) -> None:
         self._undo = None
+        self._step.invalidate()
         del self.slots[slot]
 
     def _put(self, state: _Slot, slot: int | None = None) -> int:
+        self._step.invalidate()
         if slot is None:
             if len(self.slots) >= self.max_slots:
                 raise CapacityError(f"all {self.max_slots} slots are in use")
@@ -129,6 +132,7 @@ class FakeEngine(Engine):
         if missing:
             raise ServerError(f"a pass was built for adapter slots {missing}, which are not loaded")
         self.pass_log.append([r.slot for r in requests])
+        self._step.invalidate()
         with self._transaction(keep_undo):
             out: list[PassResult | UserError] = []
             for request in requests:
@@ -154,6 +158,7 @@ class FakeEngine(Engine):
 
     def undo_last(self) -> None:
         undo, self._undo = self._undo, None
+        self._step.invalidate()
         if undo is not None:
             self.slots = undo
 
@@ -181,66 +186,50 @@ class FakeEngine(Engine):
                 slot.grad["B"] += slot.A.T @ g_delta
         return PassResult(outputs=outputs, metrics={"loss:sum": total})
 
-    # --- optimizer: prepare (metrics, nothing changes), then apply, or abort
+    # --- optimizer: prepare computes every norm and metric and changes nothing; apply updates in place
     def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
-        self._undo = None
-        for slot_id in steps:
-            if slot_id not in self.slots:
-                raise NotFoundError(f"slot {slot_id} is not loaded")
+        missing = sorted(slot for slot in steps if slot not in self.slots)
+        if missing:
+            raise NotFoundError(f"adapter slots {missing} are not in use")
+        norms = {slot: _norm(self.slots[slot].grad) for slot in steps}
         metrics = {
-            slot_id: {"grad_norm": self._norm(slot_id), "learning_rate": p.learning_rate}
-            for slot_id, p in steps.items()
+            slot: {"grad_norm": norms[slot], "learning_rate": p.learning_rate} for slot, p in steps.items()
         }
-        self._prepared = _FakePrepared(metrics, 0, dict(steps))
-        return self._prepared
+        return self._step.hold(metrics, (dict(steps), norms))
 
     def apply_step(self, prepared: PreparedStep) -> None:
-        if prepared is not self._prepared:
-            raise ServerError("a stale prepared step")
-        self._prepared = None
-        self.optim_log.append(sorted(self._prepared_steps(prepared)))
-        self._step(self._prepared_steps(prepared))
+        steps, norms = self._step.claim(prepared, "applied")
+        self._undo = None
+        self.optim_log.append(sorted(steps))
+        for slot_id, p in steps.items():
+            self._update(self.slots[slot_id], p, norms[slot_id])
 
     def abort_step(self, prepared: PreparedStep) -> None:
-        if prepared is not self._prepared:
-            raise ServerError("a stale prepared step")
-        self._prepared = None
+        self._step.claim(prepared, "aborted")
 
     def optim_step(
         self, steps: dict[int, AdamParams], keep_undo: bool = False
     ) -> dict[int, dict[str, float]]:
-        prepared = self.prepare_step(steps)
-        self.apply_step(prepared)
-        return prepared.metrics
+        if not keep_undo:
+            return super().optim_step(steps)
+        with self._transaction(keep_undo):  # the legacy path the runtime still takes (issue 25)
+            return super().optim_step(steps)
 
     @staticmethod
-    def _prepared_steps(prepared: PreparedStep) -> dict[int, AdamParams]:
-        assert isinstance(prepared, _FakePrepared)
-        return prepared.steps
-
-    def _norm(self, slot_id: int) -> float:
-        return float(np.sqrt(sum((g**2).sum() for g in self.slots[slot_id].grad.values())))
-
-    def _step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
-        metrics = {}
-        for slot_id, p in steps.items():
-            slot = self.slots[slot_id]
-            norm = self._norm(slot_id)
-            scale = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 else 1.0
-            slot.steps += 1
-            for name in ("A", "B"):
-                g = slot.grad[name] * scale
-                m = slot.moments.setdefault(f"m_{name}", np.zeros_like(g))
-                v = slot.moments.setdefault(f"v_{name}", np.zeros_like(g))
-                m[:] = p.beta1 * m + (1 - p.beta1) * g
-                v[:] = p.beta2 * v + (1 - p.beta2) * g * g
-                m_hat, v_hat = m / (1 - p.beta1**slot.steps), v / (1 - p.beta2**slot.steps)
-                weights = getattr(slot, name)
-                weights *= 1 - p.learning_rate * p.weight_decay
-                weights -= p.learning_rate * m_hat / (np.sqrt(v_hat) + p.eps)
-            slot.zero_grad()
-            metrics[slot_id] = {"grad_norm": norm, "learning_rate": p.learning_rate}
-        return metrics
+    def _update(slot: _Slot, p: AdamParams, norm: float) -> None:
+        scale = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 else 1.0
+        slot.steps += 1
+        for name in ("A", "B"):
+            g = slot.grad[name] * scale
+            m = slot.moments.setdefault(f"m_{name}", np.zeros_like(g))
+            v = slot.moments.setdefault(f"v_{name}", np.zeros_like(g))
+            m[:] = p.beta1 * m + (1 - p.beta1) * g
+            v[:] = p.beta2 * v + (1 - p.beta2) * g * g
+            m_hat, v_hat = m / (1 - p.beta1**slot.steps), v / (1 - p.beta2**slot.steps)
+            weights = getattr(slot, name)
+            weights *= 1 - p.learning_rate * p.weight_decay
+            weights -= p.learning_rate * m_hat / (np.sqrt(v_hat) + p.eps)
+        slot.zero_grad()
 
     # --- checkpoints
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
@@ -344,9 +333,8 @@ class FakeEngine(Engine):
         return SampleResult(sequences, prompt_logprobs)
 
 
-@dataclass(frozen=True, eq=False)
-class _FakePrepared(PreparedStep):
-    steps: dict[int, AdamParams] = field(default_factory=dict)
+def _norm(grad: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum((g**2).sum() for g in grad.values())))
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

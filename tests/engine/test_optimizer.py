@@ -1,5 +1,5 @@
 """The fused multi-slot AdamW equals torch.optim.AdamW + clip_grad_norm_ run per slot (docs/WALKTHROUGH.md,
-optim_step)."""
+optim_step), taken at once or in its two phases (prepare_slots changes nothing; apply_slots steps)."""
 
 import math
 from dataclasses import replace
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from loraplex.engine.optimizer import AdamSlot, step_slots, step_slots_reference
+from loraplex.engine.optimizer import AdamSlot, apply_slots, prepare_slots, step_slots, step_slots_reference
 from loraplex.engine.types import AdamParams
 
 RANKS = [1, 2, 4, 8, 3]
@@ -73,8 +73,21 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _prepare_check_apply(steps: list[tuple[AdamSlot, AdamParams]]) -> list[dict[str, float]]:
+    """The fused step's two phases, checking between them that prepare_slots changed no slot."""
+    before = [_copy(slot) | {"has_gradients": torch.tensor(slot.has_gradients)} for slot, _ in steps]
+    plan = prepare_slots(steps)
+    after = [_copy(slot) | {"has_gradients": torch.tensor(slot.has_gradients)} for slot, _ in steps]
+    torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)  # a NaN gradient stays
+    apply_slots(plan)
+    assert plan.applied == len(steps)
+    return plan.metrics
+
+
 @pytest.mark.parametrize("targets", [TARGETS, WIDE_TARGETS], ids=["small", "wide"])
-@pytest.mark.parametrize("step_fn", [step_slots, step_slots_reference], ids=["fused", "reference"])
+@pytest.mark.parametrize(
+    "step_fn", [step_slots, _prepare_check_apply, step_slots_reference], ids=["fused", "phases", "reference"]
+)
 def test_step_equals_torch_adamw_and_clip_per_slot(step_fn, targets):
     """5 slots, different ranks and AdamParams, 3 steps, lr changing, clipping on slots 1 and 3,
     a NaN gradient on slot 3 at step 1 (skipped, grads cleared, others unaffected)."""
@@ -196,3 +209,18 @@ def test_weight_decay_of_one_slot_never_moves_a_slot_not_stepped():
 
 def test_empty_step_returns_no_metrics():
     assert step_slots([]) == []
+
+
+def test_a_prepared_plan_applied_later_is_the_step_taken_at_once():
+    """Nothing but the plan carries a step from prepare to apply: preparing, then applying after other
+    slots stepped, equals the fused step taken at once, bit for bit."""
+    later, at_once = _make_slots(), _make_slots()
+    for slots in (later, at_once):
+        for i, slot in enumerate(slots):
+            _accumulate(slot, _grads(0, i, slot))
+    plan = prepare_slots([(later[i], HPARAMS[i]) for i in (1, 3)])
+    step_slots([(later[i], HPARAMS[i]) for i in (0, 2, 4)])  # other slots step in between
+    apply_slots(plan)
+    expected = step_slots([(at_once[i], HPARAMS[i]) for i in range(5)])
+    assert plan.metrics == [expected[1], expected[3]]
+    assert all(_equal(_copy(a), _copy(b)) for a, b in zip(later, at_once, strict=True))

@@ -1,9 +1,10 @@
 """`bench optim`: one fused AdamW step over many slots against a per-slot `torch.optim.AdamW` +
 `clip_grad_norm_` loop over copies of the same tensors, interleaved round by round.
 
-Both sides clip at norm 1.0 and zero the gradients after stepping; gradients are random before the
-warm-up round and zero afterwards, which costs the same arithmetic (no data-dependent branch on
-either side).
+The fused side is the transactional step the runtime runs: `LocalEngine.prepare_step` then `apply_step`
+(no undo copy; engine/optimizer.py). Both sides clip at norm 1.0 and zero the gradients after stepping;
+gradients are random before the warm-up round and zero afterwards, which costs the same arithmetic (no
+data-dependent branch on either side).
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ def bench_optim(args: argparse.Namespace) -> int:
             for p in tensors:
                 p.grad.copy_(torch.randn(p.shape, generator=generator))
             copies.append([_copy_with_grad(p) for p in tensors])
+        steps = dict.fromkeys(slot_ids, _PARAMS)
         runs = {
-            "fused": lambda: engine.optim_step(dict.fromkeys(slot_ids, _PARAMS)),
+            "fused": lambda: engine.apply_step(engine.prepare_step(steps)),
             "per_slot_loop": PerSlotAdamW(copies, _PARAMS),
         }
         timings = time_interleaved(runs, rounds, _WARMUP, device)

@@ -10,8 +10,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
-from loraplex.errors import UserError
+from loraplex.engine.types import (
+    AdamParams,
+    LoraConfig,
+    PassRequest,
+    PassResult,
+    PreparedStep,
+    SampleRequest,
+    SampleResult,
+)
+from loraplex.errors import ServerError, UserError
 
 
 @dataclass(frozen=True)
@@ -69,22 +77,60 @@ class Engine(ABC):
         Semantics: equal to running each request alone, in order. Training requests add into their
         slot's gradient accumulators; a rejected request changes no state. Transactional: if the pass
         raises, no slot changed. A request whose slot is not live is a caller bug: ServerError, no pass.
-        keep_undo: keep what `undo_last` needs to take the pass back, until the next pass or step.
+        keep_undo: keep what `undo_last` needs to take the pass back, until the next call that changes slots.
         """
 
     @abstractmethod
+    def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
+        """Phase 1 of a fused AdamW step of the given slots: compute it without taking it.
+
+        Per slot, from its gradient accumulators as they are: the gradient norm, the clip factor, whether
+        the norm is finite, and the metrics `apply_step` will have produced (`.metrics`: slot ->
+        grad_norm, learning_rate, and skipped_nonfinite 1.0 when the norm is not finite). Everything that
+        can fail happens here (slot lookups, allocations); it changes no slot's weights, moments,
+        gradients or step count, so if it raises, nothing changed. The result is valid until the next
+        call that changes slots (a pass, another prepare, create, free, load, undo); it is applied or
+        aborted once. The runtime's order: prepare_step, record the outcome (`.metrics`) durably, then
+        apply_step, or abort_step if the outcome could not be recorded.
+        """
+
+    @abstractmethod
+    def apply_step(self, prepared: PreparedStep) -> None:
+        """Phase 2: take the step `prepare_step` computed (in-place kernels only: nothing left to fail).
+
+        A stale or already used `prepared` is a ServerError and changes nothing. Should a kernel fail all
+        the same (a broken invariant), the slots it had not finished are poisoned: every later use of
+        them but `free_slot` raises a ServerError saying their state is lost; this raises one too.
+        """
+
+    @abstractmethod
+    def abort_step(self, prepared: PreparedStep) -> None:
+        """Take back phase 1 when its outcome could not be recorded: every slot is left as before
+        `prepare_step` (on data-parallel ranks, as an equal sum of the ranks' gradients). A stale or
+        already used `prepared` is a ServerError and changes nothing."""
+
     def optim_step(
         self, steps: dict[int, AdamParams], keep_undo: bool = False
     ) -> dict[int, dict[str, float]]:
-        """One fused AdamW step of the given slots; per slot metrics (grad_norm, learning_rate, ...).
-        Transactional: if it raises, no slot's weights, moments, gradients or step count changed.
-        keep_undo as for `run_pass`."""
+        """`prepare_step` then `apply_step`: one fused AdamW step; its metrics. If it raises in the first
+        phase, no slot changed (apply_step says what a failure in the second means).
+
+        keep_undo=True is the legacy path of a runtime that still steps, records, and calls `undo_last`
+        when it cannot: engines that serve it override this method and copy what the step changes (it goes
+        once the runtime uses prepare_step / apply_step / abort_step: issue 25).
+        """
+        if keep_undo:
+            raise ServerError(f"{type(self).__name__} keeps no undo of an optimizer step: use abort_step")
+        prepared = self.prepare_step(steps)
+        self.apply_step(prepared)
+        return prepared.metrics
 
     @abstractmethod
     def undo_last(self) -> None:
-        """Take back the last pass or step run with keep_undo (nothing if it raised or none was kept).
-        The runtime asks this when it cannot record that call's outcome: its requests then fail, and their
-        retry must not count twice. Valid only before any other call changes a slot."""
+        """Take back the last pass run with keep_undo (nothing if it raised or none was kept), or the legacy
+        keep_undo step (`optim_step`). The runtime asks this when it cannot record that call's outcome: its
+        requests then fail, and their retry must not count twice. Valid only before any other call changes
+        a slot."""
 
     @abstractmethod
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:

@@ -20,12 +20,22 @@ from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
 from loraplex.engine.interface import Engine, EngineInfo, EngineUsage
 from loraplex.engine.losses import validate_loss_request
+from loraplex.engine.optimizer import StepPlan, apply_slots, prepare_slots
 from loraplex.engine.passes import run_pass
+from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_budget
-from loraplex.engine.slots import SlotPool
+from loraplex.engine.slots import SlotPool, poisoned_message
 from loraplex.engine.transactions import SlotSnapshot, UndoBuffer
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, PassResult, SampleRequest, SampleResult
+from loraplex.engine.types import (
+    AdamParams,
+    LoraConfig,
+    PassRequest,
+    PassResult,
+    PreparedStep,
+    SampleRequest,
+    SampleResult,
+)
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
@@ -80,8 +90,9 @@ class LocalEngine(Engine):
         self.info = info
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
         self.max_slots = max_slots
-        self._undo: SlotSnapshot | None = None  # the last keep_undo pass or step (distributed ranks)
-        self._undo_buffer = UndoBuffer()  # where every transaction's copies go (transactions.py)
+        self._undo: SlotSnapshot | None = None  # the last keep_undo pass (or legacy step)
+        self._undo_buffer = UndoBuffer()  # where every pass transaction's copies go (transactions.py)
+        self._step: PendingStep[tuple[list[int], StepPlan]] = PendingStep()  # the prepared step, if any
         self.last_pass = PassMetrics()
         self.logprob_chunk = logprob_chunk
         self.max_pass_tokens = max_pass_tokens  # a larger pass runs as several (None: never split)
@@ -107,18 +118,25 @@ class LocalEngine(Engine):
 
     def create_slot(self, config: LoraConfig) -> int:
         """A fresh adapter: A seeded from config.seed, B zero, zero accumulators, no AdamW steps."""
+        self._begin_change()
         return self.pool.create(config)
 
     def free_slot(self, slot: int) -> None:
-        """Drop the slot's weights, accumulators and AdamW state."""
-        self._undo = None  # it may hold copies of this slot, which an undo must not write into a reused id
+        """Drop the slot's weights, accumulators and AdamW state (a poisoned slot's too)."""
+        self._begin_change()  # the undo may hold copies of this slot, not to be written into a reused id
         self.pool.free(slot)
+
+    def _begin_change(self) -> None:
+        """Every call that changes slots starts here: what an undo or a prepared step was taken from is
+        about to change, so neither may be used from now on."""
+        self._undo = None
+        self._step.invalidate()
 
     def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         """All requests in one packed pass (see `passes.run_pass`); if it raises, every slot's gradients are
         as before. keep_undo: keep the copies so `undo_last` can take a successful pass back (a data
         parallel rank whose peer failed its share; a runtime that cannot record the outcome)."""
-        self._undo = None  # whatever fails from here, a Rollback must not take back an earlier pass or step
+        self._begin_change()  # whatever fails from here, a Rollback must not take back an earlier pass
         self.require_live_slots(requests)
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
         adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
@@ -158,34 +176,80 @@ class LocalEngine(Engine):
             results[index] = result
         return results  # type: ignore[return-value]  # every request got its result or error above
 
+    def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
+        """Compute the fused step of the given slots without taking it (`optimizer.prepare_slots`): changes
+        no slot, copies nothing. Valid until the next call that changes slots (Engine.prepare_step)."""
+        self._begin_change()
+        adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError, poisoned: before anything
+        plan = prepare_slots(list(zip(adams, steps.values(), strict=True)))
+        return self._step.hold(dict(zip(steps, plan.metrics, strict=True)), (list(steps), plan))
+
+    def apply_step(self, prepared: PreparedStep) -> None:
+        """Take the prepared step (`optimizer.apply_slots`: in-place kernels only). If it raises all the
+        same, the slots it had not finished are poisoned, so none is used half-stepped."""
+        slots, plan = self._step.claim(prepared, "applied")
+        self._undo = None
+        try:
+            apply_slots(plan)
+        except BaseException as error:
+            lost = slots[plan.applied :]
+            self.pool.poison(lost)
+            if not isinstance(error, Exception):
+                raise
+            raise ServerError(f"{poisoned_message(lost)} ({type(error).__name__}: {error})") from error
+
+    def abort_step(self, prepared: PreparedStep) -> None:
+        """Drop the prepared step: prepare changed nothing, so every slot is as before it."""
+        self._step.claim(prepared, "aborted")
+
+    @property
+    def pending_step(self) -> PreparedStep | None:
+        """The step prepared and not yet applied, aborted or made stale (what a data-parallel rank applies
+        or aborts when rank 0 says so); None if there is none."""
+        return self._step.prepared
+
     def optim_step(
-        self,
-        steps: dict[int, AdamParams],
-        keep_undo: bool = False,
-        reduce_gradients: Callable[[list[Tensor]], None] | None = None,
+        self, steps: dict[int, AdamParams], keep_undo: bool = False
     ) -> dict[int, dict[str, float]]:
-        """One fused AdamW step over the given slots; if it raises, no slot changed. reduce_gradients (a
-        data-parallel all-reduce) runs on the stepped slots' flat accumulators first, inside the same
-        transaction; keep_undo as for `run_pass`."""
-        self._undo = None  # as in run_pass
+        """prepare_step + apply_step, with no copy; keep_undo=True: the legacy `optim_step_with_undo`."""
+        if keep_undo:
+            return self.optim_step_with_undo(steps)
+        return super().optim_step(steps)
+
+    def optim_step_with_undo(
+        self, steps: dict[int, AdamParams], reduce_gradients: Callable[[list[Tensor]], None] | None = None
+    ) -> dict[int, dict[str, float]]:
+        """Legacy (issue 25: goes once the runtime calls prepare_step / apply_step / abort_step): one fused
+        step inside a SlotSnapshot of weights, moments and gradients, restored if it raises and kept for
+        `undo_last`. reduce_gradients (a data-parallel all-reduce) runs on the stepped slots' flat
+        accumulators first, inside the same transaction."""
+        self._begin_change()
         adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError before anything changes
-        with self._transaction(SlotSnapshot(adams, True, self._undo_buffer), keep_undo):
+        with self._transaction(SlotSnapshot(adams, True, self._undo_buffer), keep_undo=True):
             if reduce_gradients is not None:
                 reduce_gradients([adam.grads_N for adam in adams])
                 for adam in adams:
                     adam.has_gradients = True
-            return self.pool.step(steps)
+            plan = prepare_slots(list(zip(adams, steps.values(), strict=True)))
+            apply_slots(plan)
+        return dict(zip(steps, plan.metrics, strict=True))
 
     def require_live_slots(self, requests: list[PassRequest]) -> None:
         """ServerError if a request names a slot that is not loaded: the runtime built it without its run's
-        slot, which must fail loudly rather than run on the base model."""
-        missing = sorted({r.slot for r in requests if r.slot is not None and not self.pool.has_slot(r.slot)})
+        slot, which must fail loudly rather than run on the base model; or one that is poisoned."""
+        named = {r.slot for r in requests if r.slot is not None}
+        missing = sorted(slot for slot in named if not self.pool.has_slot(slot))
         if missing:
             raise ServerError(f"a pass was built for adapter slots {missing}, which are not loaded")
+        poisoned = self.pool.poisoned(list(named))
+        if poisoned:
+            raise ServerError(poisoned_message(poisoned))
 
     def undo_last(self) -> None:
-        """Take back the last pass or step run with keep_undo (no-op if it failed or none was kept)."""
-        undo, self._undo = self._undo, None
+        """Take back the last pass (or legacy step) run with keep_undo (no-op if it failed or none was
+        kept)."""
+        undo = self._undo
+        self._begin_change()
         if undo is not None:
             undo.restore()
 
@@ -211,7 +275,7 @@ class LocalEngine(Engine):
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
     ) -> tuple[int, LoraConfig]:
         """Verify a checkpoint fully, then load it into `slot` or a new slot."""
-        self._undo = None  # as in free_slot
+        self._begin_change()  # as in free_slot
         return checkpoints.load_state(
             self.pool, directory, owner_digest, self.info.base_model_digest, with_optimizer, slot
         )

@@ -9,6 +9,10 @@ its per-target A / B tensors are views into them. A step therefore runs a few ke
 long buffer (multithreaded, streaming) instead of several per target tensor (~58 small, single-threaded
 ones per slot on a 4-layer model).
 
+A step runs in two phases so that it needs no undo copy (engine/local.py: prepare_step, apply_step):
+`prepare_slots` does everything that can fail (norms, clip factors, the metrics, every allocation) and
+changes nothing; `apply_slots` then only runs in-place kernels on buffers that already exist.
+
 Legend: S slots in one call, N one slot's parameter count (all its A and B tensors), W `_NORM_ROW`.
 """
 
@@ -83,6 +87,20 @@ class AdamSlot:
         return [part.view(p.shape) for part, p in zip(parts, self.params, strict=True)]
 
 
+@dataclass(eq=False)
+class StepPlan:
+    """A fused step computed by `prepare_slots` and not yet taken: what `apply_slots` hands the kernel for
+    each slot, already on the device, and the host metrics. `applied` counts the slots it has finished."""
+
+    slots: list[AdamSlot]
+    params: list[AdamParams]
+    steps: list[Tensor]  # per slot, 0-D fp32: its step count + 1, what the kernel reads
+    found_inf: list[Tensor]  # per slot, 0-D fp32: 1.0 where its norm is not finite (the kernel then skips it)
+    grad_scale: list[Tensor | None]  # per slot, 0-D fp32: 1 / clip_grad_norm_'s coef; None: no clipping
+    metrics: list[dict[str, float]]  # per slot: grad_norm, learning_rate, and skipped_nonfinite 1.0 if so
+    applied: int = 0
+
+
 @torch.no_grad()
 def step_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[dict[str, float]]:
     """One fused AdamW step of every given slot with its own hyperparameters; per-slot metrics in order.
@@ -93,34 +111,68 @@ def step_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[dict[str, f
             if norm is not finite: skip the slot (weights, moments, step unchanged); skipped_nonfinite 1.0
             else: clip_grad_norm_(hp.grad_clip_norm) if > 0, then one torch.optim.AdamW step of its state
             zero the slot's gradients
-    How: slot by slot, while its gradient buffer is still in cache: its norm from its gradient rows, then
-    one `torch._fused_adamw_` over its flat buffers (torch.optim.AdamW(fused=True)'s kernel) told on the
-    device whether to skip (`found_inf`) and how much to clip (`grad_scale` = 1 / coef), then the zeroing
-    of its gradients. Nothing waits on the device until the end: one transfer of the S norms gives the
-    metrics and which step counts to advance.
+    How: in two phases, so that a caller can record the outcome between them: `prepare_slots` reads the
+    gradients (every norm, and one transfer of them for the metrics) and changes nothing; `apply_slots`
+    then runs, slot by slot, one `torch._fused_adamw_` over its flat buffers (torch.optim.AdamW(fused=True)'s
+    kernel), told on the device whether to skip (`found_inf`) and how much to clip (`grad_scale` = 1 / coef),
+    and the zeroing of its gradients.
     Rounding: the kernel orders its fp32 operations unlike AdamW's per-tensor loop, the norm sums in
     another order, and clipping divides by 1 / coef instead of multiplying by coef; each moves a result
     by about one ulp (tests/engine/test_optimizer.py states the tolerance).
     """
-    if not steps:
-        return []
-    norms = []
-    # What the fused kernel reads as the step count; torch.optim.AdamW(fused=True) also advances it first.
-    steps_S = steps[0][0].weights_N.new_tensor([slot.step + 1 for slot, _ in steps])
-    for i, (slot, hp) in enumerate(steps):
-        norm = torch.linalg.vector_norm(torch.linalg.vector_norm(slot.grad_rows, dim=1))
-        found_inf = norm.isfinite().logical_not().float()  # the kernel leaves everything as is when 1
-        grad_scale = None
-        if hp.grad_clip_norm > 0:
-            # clip_grad_norm_'s coef = max_norm / (norm + eps), at most 1; the kernel divides by 1 / coef.
-            grad_scale = ((norm + _CLIP_EPS) / hp.grad_clip_norm).clamp(min=1.0)
+    plan = prepare_slots(steps)
+    apply_slots(plan)
+    return plan.metrics
+
+
+@torch.no_grad()
+def prepare_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> StepPlan:
+    """The read-only phase of `step_slots`: every norm, clip factor, skip flag, step count and metric, and
+    every tensor the kernels will read; changes no slot, so if it raises nothing has changed.
+
+    Semantics: for slot, hp in steps: norm = total L2 norm of the slot's gradients; found_inf = norm is not
+    finite; grad_scale = max(1, (norm + eps) / hp.grad_clip_norm) when clipping; step = slot.step + 1;
+    metrics = grad_norm, learning_rate, skipped_nonfinite if the norm is not finite.
+    """
+    slots = [slot for slot, _ in steps]
+    params = [hp for _, hp in steps]
+    if not slots:
+        return StepPlan([], [], [], [], [], [])
+    norm_S = torch.stack([_grad_norm(slot) for slot in slots])
+    found_inf_S = norm_S.isfinite().logical_not().float()
+    # clip_grad_norm_'s coef = max_norm / (norm + eps), at most 1; the kernel divides by 1 / coef.
+    clip_S = norm_S.new_tensor([hp.grad_clip_norm for hp in params])
+    grad_scale_S = ((norm_S + _CLIP_EPS) / clip_S).clamp(min=1.0)
+    # What the kernel reads as the step count; torch.optim.AdamW(fused=True) also advances it first.
+    steps_S = norm_S.new_tensor([slot.step + 1 for slot in slots])
+    metrics: list[dict[str, float]] = []
+    for hp, norm in zip(params, norm_S.tolist(), strict=True):
+        metrics.append({"grad_norm": norm, "learning_rate": hp.learning_rate})
+        if not math.isfinite(norm):
+            metrics[-1]["skipped_nonfinite"] = 1.0
+    scales = zip(params, grad_scale_S, strict=True)
+    grad_scale = [scale if hp.grad_clip_norm > 0 else None for hp, scale in scales]
+    return StepPlan(slots, params, list(steps_S), list(found_inf_S), grad_scale, metrics)
+
+
+def _grad_norm(slot: AdamSlot) -> Tensor:
+    """The total L2 norm of a slot's gradients (0-D), from its rows: see `_NORM_ROW`."""
+    return torch.linalg.vector_norm(torch.linalg.vector_norm(slot.grad_rows, dim=1))
+
+
+@torch.no_grad()
+def apply_slots(plan: StepPlan) -> None:
+    """The in-place phase of `step_slots`: per slot, in order, the fused kernel over its flat buffers, the
+    zeroing of its gradients and its step count; allocates no tensor. A slot is finished (counted in
+    `plan.applied`) only once all of that is done."""
+    for i, (slot, hp) in enumerate(zip(plan.slots, plan.params, strict=True)):
         torch._fused_adamw_(
             [slot.weights_N],
             [slot.grads_N],
             [slot.exp_avg_N],
             [slot.exp_avg_sq_N],
             [],
-            [steps_S[i]],
+            [plan.steps[i]],
             lr=hp.learning_rate,
             beta1=hp.beta1,
             beta2=hp.beta2,
@@ -128,21 +180,14 @@ def step_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[dict[str, f
             eps=hp.eps,
             amsgrad=False,
             maximize=False,
-            grad_scale=grad_scale,
-            found_inf=found_inf,
+            grad_scale=plan.grad_scale[i],
+            found_inf=plan.found_inf[i],
         )
         slot.grads_N.zero_()
         slot.has_gradients = False
-        norms.append(norm)
-
-    metrics: list[dict[str, float]] = []
-    for (slot, hp), norm in zip(steps, torch.stack(norms).tolist(), strict=True):
-        metrics.append({"grad_norm": norm, "learning_rate": hp.learning_rate})
-        if math.isfinite(norm):
+        if "skipped_nonfinite" not in plan.metrics[i]:
             slot.step += 1
-        else:
-            metrics[-1]["skipped_nonfinite"] = 1.0
-    return metrics
+        plan.applied = i + 1
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from loraplex.engine.optimizer import AdamSlot, step_slots
 from loraplex.engine.types import AdamParams, LoraConfig
-from loraplex.errors import CapacityError, NotFoundError, UserError
+from loraplex.errors import CapacityError, NotFoundError, ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.multi_lora import LoRATarget, init_slot_weights
 
@@ -103,6 +103,7 @@ class SlotPool:
         self.max_rank = max_rank
         self.device = next(iter(self.targets.values()))[0].weight.device
         self._slots: dict[int, Slot] = {}
+        self._poisoned: set[int] = set()  # slots whose state an optimizer step left half-changed
 
     def expected_shapes(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
         """PEFT name -> shape of every tensor a slot of `config` holds; UserError if it is not servable."""
@@ -147,18 +148,32 @@ class SlotPool:
         return slot
 
     def free(self, slot: int) -> None:
-        """Detach the slot from every layer and drop its tensors and state; the id may be reused."""
-        self.get(slot)
+        """Detach the slot from every layer and drop its tensors and state (a poisoned slot too); the id may
+        be reused."""
+        if slot not in self._slots:
+            raise NotFoundError(f"adapter slot {slot} is not in use")
         for layer, _ in self.targets.values():
             layer.detach(slot)
         del self._slots[slot]
+        self._poisoned.discard(slot)
 
     def get(self, slot: int) -> Slot:
-        """The live slot `slot`; NotFoundError if no slot of that id is in use."""
+        """The live slot `slot`; NotFoundError if no slot of that id is in use, ServerError if poisoned."""
         record = self._slots.get(slot)
         if record is None:
             raise NotFoundError(f"adapter slot {slot} is not in use")
+        if slot in self._poisoned:
+            raise ServerError(poisoned_message([slot]))
         return record
+
+    def poison(self, slots: list[int]) -> None:
+        """Refuse every later use of `slots` but freeing them: an optimizer step failed part way through
+        them, so their weights, moments, gradients and step counts no longer belong together."""
+        self._poisoned.update(slots)
+
+    def poisoned(self, slots: list[int]) -> list[int]:
+        """Those of `slots` that are poisoned, ascending."""
+        return sorted(self._poisoned.intersection(slots))
 
     def has_slot(self, slot: int) -> bool:
         """Whether `slot` is in use."""
@@ -179,3 +194,10 @@ class SlotPool:
     def _groups(config: LoraConfig) -> set[str]:
         """The target groups a config trains."""
         return {group for flag, group in TARGET_GROUPS.items() if getattr(config, flag)}
+
+
+def poisoned_message(slots: list[int]) -> str:
+    """Why a poisoned slot is refused (SlotPool.poison)."""
+    if len(slots) == 1:
+        return f"adapter slot {slots[0]}'s optimizer step failed part way; its state is lost"
+    return f"adapter slots {slots}' optimizer step failed part way; their state is lost"

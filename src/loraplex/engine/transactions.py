@@ -1,19 +1,22 @@
-"""Slot transactions: a pass or an optimizer step that raises leaves every slot as it found it.
+"""Pass transactions: a pass that raises leaves every slot as it found it.
 
-Before work that changes slots, `SlotSnapshot` copies what that work may change: a pass changes only the
-gradient accumulators of the slots it trains; a step also changes weights, both AdamW moments and the
-step count. If the work raises, `restore` puts every copy back, so the failed requests can be retried
-without counting anything twice. A slot whose accumulators are still zero (nothing trained since its last
-step, the usual state at a pass) is restored by zeroing instead of from a copy.
+Before a pass, `SlotSnapshot` copies what it may change: the gradient accumulators of the slots it trains.
+If the pass raises, `restore` puts every copy back, so the failed requests can be retried without counting
+anything twice. A slot whose accumulators are still zero (nothing trained since its last step, the usual
+state at a pass) is restored by zeroing instead of from a copy; only accumulators that already hold
+gradients are copied.
+
+An optimizer step needs no copy: it runs in two phases (optimizer.py), a read-only prepare that does
+everything that can fail and an apply of in-place kernels only. Only the legacy keep_undo step
+(`LocalEngine.optim_step_with_undo`, issue 25) still snapshots weights, moments, gradients and step counts.
 
 Why copies rather than scratch accumulators committed at the end: backward writes straight into each
-slot's flat `.grad` views (optimizer.py), and the fused AdamW kernel updates its buffers in place; a
-scratch set would have to be swapped into every layer and every `.grad` per pass. The copies cost one
-memcpy of LoRA-sized buffers (docs/BENCHMARKS.md, fourth and sixth sessions).
+slot's flat `.grad` views (optimizer.py); a scratch set would have to be swapped into every layer and
+every `.grad` per pass. The copies cost one memcpy of LoRA-sized buffers (docs/BENCHMARKS.md).
 
-The copies go into one `UndoBuffer` the engine keeps between transactions, not into fresh tensors: a fresh
-140 MB of copies per step (8 bench slots) had its pages faulted in and zeroed by the kernel first, which
-made the step's copies 4x dearer than the memcpy itself (sixth session). No HTTP, no SQL.
+The copies go into one `UndoBuffer` the engine keeps between transactions, not into fresh tensors: fresh
+memory has its pages faulted in and zeroed by the kernel first, which made copies 4x dearer than the
+memcpy itself (docs/BENCHMARKS.md, sixth session). No HTTP, no SQL.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from loraplex.engine.optimizer import AdamSlot
 class UndoBuffer:
     """The memory snapshots copy into, reused from one transaction to the next.
 
-    It holds as much as the largest snapshot taken so far (a step's copies of every slot it stepped) and
-    never shrinks. The memory a snapshot's copies live in is only valid until the next snapshot is taken
+    It holds as much as the largest snapshot taken so far (a pass's copies of the accumulators it trained)
+    and never shrinks. The memory a snapshot's copies live in is only valid until the next snapshot is taken
     from the same buffer: the engine keeps at most one (it drops its kept undo before each transaction).
     """
 
@@ -60,7 +63,8 @@ class SlotSnapshot:
     """Copies of some slots' mutable buffers, to put back if the work that follows fails."""
 
     def __init__(self, slots: Iterable[AdamSlot], with_state: bool, into: UndoBuffer) -> None:
-        """with_state False: gradients only (a pass); True: weights, moments, gradients, step (a step).
+        """with_state False: gradients only (a pass); True: weights, moments, gradients, step (the legacy
+        keep_undo step).
         The copies live in `into` until the next snapshot taken from it."""
         zeroed: list[Tensor] = []  # accumulators with nothing in them: restored by zeroing, not copied
         copied: list[Tensor] = []

@@ -2,8 +2,9 @@
 
 Every adapter is replicated on every rank. Rank 0 validates each call before anything is sent, makes a
 change to a slot first (create, load) and then has the other ranks copy it, splits each pass's datums
-across the ranks by tokens, and steps with one flat gradient all-reduce. Saves, snapshots and sampling
-use rank 0's replica alone, so checkpoints are those of a single-rank engine.
+across the ranks by tokens, and steps with one flat gradient all-reduce (prepared on every rank, then
+applied or aborted on every rank). Saves, snapshots and sampling use rank 0's replica alone, so
+checkpoints are those of a single-rank engine.
 
 A watchdog thread pings idle ranks and watches local rank processes. When a rank dies, hangs past the
 timeout or diverges, the engine fails for good: the call in flight and every later one raise a
@@ -23,9 +24,12 @@ from pathlib import Path
 from loraplex.engine.distributed.group import RankEnv, RankGroup, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
 from loraplex.engine.distributed.protocol import (
+    AbortStep,
+    ApplyStep,
     FreeSlot,
     GatherGradients,
     Ping,
+    PrepareStep,
     RankCommand,
     RankError,
     Rollback,
@@ -35,20 +39,23 @@ from loraplex.engine.distributed.protocol import (
     SyncSlot,
     gather_replies,
     scatter_commands,
+    take_back,
 )
 from loraplex.engine.distributed.replica import answer
 from loraplex.engine.interface import Engine, EngineUsage
 from loraplex.engine.local import LocalEngine
+from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_tokens
 from loraplex.engine.types import (
     AdamParams,
     LoraConfig,
     PassRequest,
     PassResult,
+    PreparedStep,
     SampleRequest,
     SampleResult,
 )
-from loraplex.errors import ServerError, UserError
+from loraplex.errors import NotFoundError, ServerError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +92,7 @@ class DistributedEngine(Engine):
         self._failure: str | None = None
         self._failure_lock = threading.Lock()
         self._last_exchange = time.monotonic()
+        self._step: PendingStep[tuple[int, ...]] = PendingStep()  # the prepared step's slots, if any
         self._closing = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="loraplex-rank-watchdog", daemon=True)
         self._watchdog.start()
@@ -107,6 +115,8 @@ class DistributedEngine(Engine):
         (sharding.py); each rank's training datums add into its own accumulators, which `optim_step` sums.
         Every rank keeps its undo copies whatever keep_undo says: a failed share is rolled back on all.
         """
+        self._raise_if_failed()  # before rank 0's own checks, which a failed apply may have poisoned
+        self._step.invalidate()
         self.local.require_live_slots(requests)
         results: list[PassResult | UserError | None] = [None] * len(requests)
         accepted: list[int] = []
@@ -127,11 +137,40 @@ class DistributedEngine(Engine):
                 results[index] = result
         return results  # type: ignore[return-value]  # every request got its result or error above
 
+    def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
+        """One all-reduce of the stepped slots' gradients, then the same step prepared on every rank; rank
+        0's metrics. If any rank's share fails, every rank aborts (AbortStep): the ranks' gradients then
+        sum to what they summed to before, and this raises a ServerError."""
+        self._raise_if_failed()
+        self._step.invalidate()
+        for slot in steps:
+            self.local.pool.get(slot)  # NotFoundError before anything is sent
+        if not steps:
+            return self._step.hold({}, ())
+        replies = self._exchange([PrepareStep(dict(steps))] * self._group.world_size)
+        return self._step.hold(replies[0], tuple(steps))  # type: ignore[arg-type]  # rank 0's metrics
+
+    def apply_step(self, prepared: PreparedStep) -> None:
+        """Every rank applies the step it prepared. A rank that fails to fails the engine for good: the
+        replicas may differ from then on."""
+        if self._step.claim(prepared, "applied"):
+            self._exchange([ApplyStep()] * self._group.world_size)
+
+    def abort_step(self, prepared: PreparedStep) -> None:
+        """Every rank drops its prepared step; rank 0 keeps the all-reduced gradients, the others zero
+        theirs (their sum is unchanged; replica.abort_replicas)."""
+        slots = self._step.claim(prepared, "aborted")
+        if slots:
+            self._exchange([AbortStep(slots)] * self._group.world_size)
+
     def optim_step(
         self, steps: dict[int, AdamParams], keep_undo: bool = False
     ) -> dict[int, dict[str, float]]:
-        """One fused AdamW step of the given slots on every rank, after one all-reduce of their gradients
-        (every rank keeps its undo copies, as in run_pass)."""
+        """prepare_step + apply_step (two exchanges, one all-reduce). keep_undo=True is the legacy path
+        (issue 25): one exchange that steps at once, every rank keeping copies for `undo_last`."""
+        if not keep_undo:
+            return super().optim_step(steps)
+        self._step.invalidate()
         if not steps:
             return {}
         for slot in steps:
@@ -139,20 +178,24 @@ class DistributedEngine(Engine):
         return self._exchange([StepSlots(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
 
     def undo_last(self) -> None:
-        """Every rank takes back its part of the last pass or step."""
+        """Every rank takes back its part of the last pass (or legacy step)."""
+        self._step.invalidate()
         self._exchange([Rollback()] * self._group.world_size)
 
     # --- slots: changed on rank 0 first, then copied
     def create_slot(self, config: LoraConfig) -> int:
         """A fresh adapter on every rank, identical to rank 0's."""
         self._raise_if_failed()
+        self._step.invalidate()
         slot = self.local.create_slot(config)
         self._sync(slot)
         return slot
 
     def free_slot(self, slot: int) -> None:
         """Drop the slot on every rank."""
-        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        self._step.invalidate()
+        if not self.local.pool.has_slot(slot):  # before anything is sent; a poisoned slot may go
+            raise NotFoundError(f"adapter slot {slot} is not in use")
         self._exchange([FreeSlot(slot)] * self._group.world_size)
 
     def load_state(
@@ -160,6 +203,7 @@ class DistributedEngine(Engine):
     ) -> tuple[int, LoraConfig]:
         """Rank 0 verifies and loads the checkpoint, then every rank copies the slot from rank 0."""
         self._raise_if_failed()
+        self._step.invalidate()
         slot, config = self.local.load_state(directory, owner_digest, with_optimizer, slot)
         self._sync(slot)
         return slot, config
@@ -174,6 +218,7 @@ class DistributedEngine(Engine):
         """Rank 0 writes the checkpoint, in the single-rank format; with gradients, every rank's share of
         them is first summed onto rank 0."""
         if with_gradients:
+            self._step.invalidate()
             self.local.pool.get(slot)  # NotFoundError before anything is sent
             self._exchange([GatherGradients(slot)] * self._group.world_size)
         return self.local.save_state(slot, directory, owner_digest, with_gradients)
@@ -227,12 +272,16 @@ class DistributedEngine(Engine):
             self._last_exchange = time.monotonic()
         errors = [reply for reply in replies if isinstance(reply, RankError)]
         if errors:
-            # The failed ranks undid their share; the others take theirs back, so no rank keeps any of it.
-            self._exchange_locked([Rollback()] * self._group.world_size)
             what = "pass" if isinstance(commands[0], RunPass) else "optimizer step"
-            raise ServerError(
-                "; ".join(f"engine rank {e.rank} failed its share of the {what}: {e.message}" for e in errors)
+            message = "; ".join(
+                f"engine rank {e.rank} failed its share of the {what}: {e.message}" for e in errors
             )
+            undo = take_back(commands[0])
+            if undo is None:  # a failed apply: that rank's replica may differ from the others for good
+                raise self._fail(message)
+            # The failed ranks undid their share; the others take theirs back, so no rank keeps any of it.
+            self._exchange_locked([undo] * self._group.world_size)
+            raise ServerError(message)
         return replies
 
     def _pass_results(self, reply: object, rank: int) -> list[PassResult]:

@@ -3,7 +3,8 @@
 One exchange: rank 0 scatters one command per rank (the same one, or each rank's share of a pass)
 over the control group, every rank executes its own (replica.py), and rank 0 gathers the replies in
 rank order. Commands are plain picklable dataclasses; tensors they imply (gradients, slot state) move
-separately on the data group. No HTTP, no SQL.
+separately on the data group. An optimizer step takes two exchanges, PrepareStep and then ApplyStep (or
+AbortStep), so that rank 0's caller can record its outcome in between. No HTTP, no SQL.
 """
 
 from __future__ import annotations
@@ -24,8 +25,30 @@ class RunPass:
 
 
 @dataclass(frozen=True)
+class PrepareStep:
+    """All-reduce the stepped slots' gradients in one collective, then prepare the same fused step (rank 0
+    answers its metrics); ApplyStep or AbortStep follows."""
+
+    steps: dict[int, AdamParams]
+
+
+@dataclass(frozen=True)
+class ApplyStep:
+    """Apply the step every rank prepared. A rank that fails it may now differ from the others."""
+
+
+@dataclass(frozen=True)
+class AbortStep:
+    """Take back PrepareStep on every rank: drop the prepared step; rank 0 keeps the all-reduced sum of
+    `slots`' gradients and the others zero theirs, so their total is what it was (no copy needed)."""
+
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StepSlots:
-    """All-reduce the stepped slots' gradients in one collective, then take the same fused step."""
+    """Legacy (issue 25): all-reduce the stepped slots' gradients, then take the same fused step, each rank
+    keeping copies for Rollback (the runtime's `optim_step(keep_undo=True)` + `undo_last`)."""
 
     steps: dict[int, AdamParams]
 
@@ -48,7 +71,8 @@ class FreeSlot:
 
 @dataclass(frozen=True)
 class Rollback:
-    """Take back this rank's last pass or step: another rank failed its share, so the whole one fails."""
+    """Take back this rank's last pass (or legacy step): another rank failed its share, so the whole one
+    fails."""
 
 
 @dataclass(frozen=True)
@@ -69,15 +93,39 @@ class Shutdown:
     """Leave the command loop and the group; not answered."""
 
 
-RankCommand = RunPass | StepSlots | Rollback | GatherGradients | SyncSlot | FreeSlot | Ping | Shutdown
-# Commands that change slots as one transaction across the ranks: a failed share fails them on every rank.
-TRANSACTIONAL = (RunPass, StepSlots)
+RankCommand = (
+    RunPass
+    | PrepareStep
+    | ApplyStep
+    | AbortStep
+    | StepSlots
+    | Rollback
+    | GatherGradients
+    | SyncSlot
+    | FreeSlot
+    | Ping
+    | Shutdown
+)
+# Commands a rank answers with a RankError when its share raises, staying in the group: rank 0 then takes
+# the whole back on every rank (take_back), or, where that cannot be done (ApplyStep), fails the engine.
+REPORTED = (RunPass, PrepareStep, StepSlots, ApplyStep)
+
+
+def take_back(command: RankCommand) -> RankCommand | None:
+    """What every rank runs after a share of `command` failed, so that no rank keeps any of it; None where
+    nothing can (a failed ApplyStep: replicas may now differ)."""
+    if isinstance(command, PrepareStep):
+        return AbortStep(tuple(command.steps))
+    if isinstance(command, RunPass | StepSlots):
+        return Rollback()
+    return None
 
 
 @dataclass(frozen=True)
 class RankError:
-    """A rank's answer when its share of a pass or step raised (and was undone on that rank): the whole
-    pass or step is taken back on every rank, and the group stays usable."""
+    """A rank's answer when its share of a command in REPORTED raised (and was undone on that rank): the
+    whole pass or step is taken back on every rank, and the group stays usable (a failed apply: see
+    take_back)."""
 
     rank: int
     message: str

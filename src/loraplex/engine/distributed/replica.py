@@ -13,10 +13,13 @@ import torch
 
 from loraplex.engine.distributed.group import RankGroup, all_reduce_flat, broadcast_flat
 from loraplex.engine.distributed.protocol import (
-    TRANSACTIONAL,
+    REPORTED,
+    AbortStep,
+    ApplyStep,
     FreeSlot,
     GatherGradients,
     Ping,
+    PrepareStep,
     RankCommand,
     RankError,
     Rollback,
@@ -25,6 +28,7 @@ from loraplex.engine.distributed.protocol import (
     SyncSlot,
 )
 from loraplex.engine.local import LocalEngine
+from loraplex.engine.optimizer import AdamSlot
 from loraplex.engine.slots import OptimizerState
 from loraplex.engine.types import AdamParams
 from loraplex.errors import ServerError
@@ -36,13 +40,14 @@ def answer(command: RankCommand, engine: LocalEngine, group: RankGroup) -> objec
     """Execute `command` and return this rank's reply.
 
     A failed share of a pass or step becomes a RankError reply and the group stays usable: the local
-    engine has already undone it on this rank, and rank 0 then has every rank roll it back. Any other
-    failure propagates, because this replica may now differ from the others and must not go on.
+    engine has already undone it on this rank (or poisoned what a failed apply left half-stepped), and
+    rank 0 then has every rank take it back (or fails the engine). Any other failure propagates, because
+    this replica may now differ from the others and must not go on.
     """
     try:
         return execute(command, engine, group)
     except Exception as error:
-        if not isinstance(command, TRANSACTIONAL):
+        if not isinstance(command, REPORTED):
             raise
         log.exception("engine rank %d: its share of a %s failed", group.rank, type(command).__name__)
         return RankError(group.rank, f"{type(error).__name__}: {error}")
@@ -52,6 +57,12 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
     """This rank's part of `command`; the reply rank 0 gathers."""
     if isinstance(command, RunPass):
         return engine.run_pass(command.requests, keep_undo=True)
+    if isinstance(command, PrepareStep):
+        return prepare_replicas(engine, command.steps, group)
+    if isinstance(command, ApplyStep):
+        return apply_replicas(engine, group)
+    if isinstance(command, AbortStep):
+        return abort_replicas(engine, command.slots, group)
     if isinstance(command, StepSlots):
         return step_replicas(engine, command.steps, group)
     if isinstance(command, Rollback):
@@ -67,19 +78,55 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
     raise ServerError(f"engine rank {group.rank} has no executor for {type(command).__name__}")
 
 
+def prepare_replicas(
+    engine: LocalEngine, steps: dict[int, AdamParams], group: RankGroup
+) -> dict[int, dict[str, float]] | None:
+    """Sum the stepped slots' gradient accumulators over all ranks in one all-reduce, then prepare the step
+    locally; rank 0 answers its metrics, the others None.
+
+    Semantics: `engine.prepare_step(steps)` on one rank that had run every rank's share of every pass:
+    accumulators add, so their sum over ranks is that rank's accumulator. Every rank then holds the same
+    gradients and prepares the same step, so the replicas stay identical and the grad norm needs no
+    further collective. The all-reduce changes what each rank's accumulators mean (its share -> the
+    whole), not the whole; `abort_replicas` puts back an equal split.
+    """
+    adams = [engine.pool.get(slot).adam for slot in steps]
+    all_reduce_flat([adam.grads_N for adam in adams], group.data)
+    for adam in adams:
+        adam.has_gradients = True
+    prepared = engine.prepare_step(steps)
+    return prepared.metrics if group.rank == 0 else None
+
+
+def apply_replicas(engine: LocalEngine, group: RankGroup) -> None:
+    """Apply the step this rank prepared last (`LocalEngine.apply_step`: a failure poisons its slots)."""
+    prepared = engine.pending_step
+    if prepared is None:
+        raise ServerError(f"engine rank {group.rank} holds no prepared optimizer step to apply")
+    engine.apply_step(prepared)
+
+
+def abort_replicas(engine: LocalEngine, slots: tuple[int, ...], group: RankGroup) -> None:
+    """Take back a PrepareStep on this rank, whether or not its own prepare succeeded: drop the prepared
+    step and keep the all-reduced gradients' sum on rank 0 alone.
+
+    Semantics: after it, the sum over ranks of each slot's accumulators equals the sum before PrepareStep
+    (rank 0 holds it, computed by the all-reduce; the others hold zero), and no copy was needed. Every later
+    step reads only that sum, so it equals the step of an engine that never prepared, up to the rounding
+    of adding in another order.
+    """
+    prepared = engine.pending_step
+    if prepared is not None:
+        engine.abort_step(prepared)
+    _keep_sum_on_rank_0([engine.pool.get(slot).adam for slot in slots], group.rank)
+
+
 def step_replicas(
     engine: LocalEngine, steps: dict[int, AdamParams], group: RankGroup
 ) -> dict[int, dict[str, float]]:
-    """Sum the stepped slots' gradient accumulators over all ranks in one all-reduce, then step locally.
-
-    Semantics: `engine.optim_step(steps)` on one rank that had run every rank's share of every pass:
-    accumulators add, so their sum over ranks is that rank's accumulator. Every rank then holds the same
-    gradients and takes the same step, so the replicas stay identical and the grad norm needs no
-    further collective.
-    """
-    return engine.optim_step(
-        steps, keep_undo=True, reduce_gradients=lambda grads: all_reduce_flat(grads, group.data)
-    )
+    """Legacy (issue 25): the all-reduce of `prepare_replicas`, then the step taken at once inside a
+    snapshot kept for Rollback (`LocalEngine.optim_step_with_undo`)."""
+    return engine.optim_step_with_undo(steps, lambda grads: all_reduce_flat(grads, group.data))
 
 
 @torch.no_grad()
@@ -87,11 +134,17 @@ def gather_gradients(engine: LocalEngine, slot: int, group: RankGroup) -> None:
     """Sum the slot's accumulators over the ranks onto rank 0; the others zero theirs (the sum is kept)."""
     adam = engine.pool.get(slot).adam
     all_reduce_flat([adam.grads_N], group.data)
-    if group.rank != 0:
-        adam.grads_N.zero_()
-        adam.has_gradients = False
-    else:
-        adam.has_gradients = True
+    _keep_sum_on_rank_0([adam], group.rank)
+
+
+@torch.no_grad()
+def _keep_sum_on_rank_0(adams: list[AdamSlot], rank: int) -> None:
+    """After an all-reduce of these slots' accumulators: rank 0 keeps the sum, the others zero theirs, so
+    the sum over ranks is the all-reduced one, counted once."""
+    for adam in adams:
+        if rank != 0:
+            adam.grads_N.zero_()
+        adam.has_gradients = rank == 0
 
 
 @torch.no_grad()
