@@ -80,20 +80,21 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     `run_service` is False: then whoever serves the app runs the runtime itself."""
 
     submissions = SubmissionThread(runtime.training)
+    serving = [0]  # lifespans running: one app may be served by two servers at once (a test and a fuzzer)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        try:
-            if not run_service:
-                yield
-                return
+        serving[0] += 1
+        if run_service and serving[0] == 1:
             runtime.start()
-            try:
-                yield
-            finally:
-                await run_in_threadpool(runtime.stop)  # it parks runs: database writes
+        try:
+            yield
         finally:
-            submissions.close()
+            serving[0] -= 1
+            if serving[0] == 0:
+                if run_service:
+                    await run_in_threadpool(runtime.stop)  # it parks runs: database writes
+                submissions.close()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     # Each route takes the collaborators it uses from here (api/tinker/deps.py), never the whole runtime.
