@@ -207,14 +207,6 @@ class FakeEngine(Engine):
     def abort_step(self, prepared: PreparedStep) -> None:
         self._step.claim(prepared, "aborted")
 
-    def optim_step(
-        self, steps: dict[int, AdamParams], keep_undo: bool = False
-    ) -> dict[int, dict[str, float]]:
-        if not keep_undo:
-            return super().optim_step(steps)
-        with self._transaction(keep_undo):  # the legacy path the runtime still takes (issue 25)
-            return super().optim_step(steps)
-
     @staticmethod
     def _update(slot: _Slot, p: AdamParams, norm: float) -> None:
         scale = min(1.0, p.grad_clip_norm / (norm + 1e-6)) if p.grad_clip_norm > 0 else 1.0

@@ -99,3 +99,38 @@ def test_closing_finishes_what_was_handed_over_and_an_unused_thread_never_starts
     assert not thread._thread.is_alive()
     with pytest.raises(ServerError, match="shutting down"):  # not a wait for a thread that is gone
         asyncio.run(thread.submit(_submission(4)))
+
+
+def test_work_handed_over_while_the_thread_closes_is_done_or_refused_never_left_waiting() -> None:
+    service = _Service()
+    thread = SubmissionThread(service)  # type: ignore[arg-type]
+    asyncio.run(thread.submit(_submission(1)))  # the thread runs
+    jobs, closer = thread._jobs, threading.Thread(target=thread.close)
+
+    class CloseMeanwhile:
+        """The thread's queue, with a close coming between the shutdown check and the hand-over."""
+
+        def put(self, job) -> None:
+            if job is not None and not closer.is_alive():
+                closer.start()
+                closer.join(timeout=0.5)  # a close that waits for this hand-over is still running
+            jobs.put(job)
+
+        def get(self):
+            return jobs.get()
+
+        def get_nowait(self):
+            return jobs.get_nowait()
+
+    thread._jobs = CloseMeanwhile()  # type: ignore[assignment]
+
+    async def hand_over() -> str:
+        try:
+            return (await asyncio.wait_for(thread.submit(_submission(2)), timeout=5)).id
+        except ServerError as error:
+            return str(error)
+
+    outcome = asyncio.run(hand_over())
+    closer.join(timeout=5)
+    assert outcome == "f2" or "shutting down" in outcome
+    assert not thread._thread.is_alive()

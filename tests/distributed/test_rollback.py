@@ -191,20 +191,17 @@ def test_a_share_that_fails_before_it_changes_anything_takes_back_no_earlier_pas
     _step_and_compare(ranks, reference, slots)  # the earlier pass is still in every rank's gradients
 
 
-def test_a_pass_and_a_legacy_step_the_runtime_could_not_record_are_taken_back_on_both_ranks(
+def test_a_pass_and_a_step_the_runtime_could_not_record_are_taken_back_on_both_ranks(
     ranks, reference, slots
 ) -> None:
-    """`undo_last` after a successful pass, then after a successful keep_undo step (what the runtime asks
-    when it cannot record their outcomes, until it aborts prepared steps instead: issue 25): the retries
-    leave every replica as a run that did each once."""
+    """`undo_last` after a successful pass, `abort_step` after a prepared step (what the runtime asks when
+    it cannot record their outcomes): the retries leave every replica as a run that did each once."""
     requests = _pass(slots, seed=1)
     ranks.engine.run_pass(requests, keep_undo=True)
     ranks.engine.undo_last()
     for engine in (ranks.engine, reference):
         engine.run_pass(requests)
-    steps = dict(zip(slots, PARAMS, strict=True))
-    ranks.engine.optim_step(steps, keep_undo=True)
-    ranks.engine.undo_last()
+    ranks.engine.abort_step(ranks.engine.prepare_step(dict(zip(slots, PARAMS, strict=True))))
     _step_and_compare(ranks, reference, slots)
 
 

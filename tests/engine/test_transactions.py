@@ -289,22 +289,3 @@ def test_a_failure_inside_apply_poisons_the_slots_it_had_not_finished_and_no_oth
     engine.free_slot(s2)
     assert engine.create_slot(LoraConfig(rank=2, seed=5)) == s1  # a freed id serves a fresh adapter
     engine.run_pass(_requests(engine, seed=9))
-
-
-def test_the_legacy_keep_undo_step_is_taken_back_whole_by_undo_last_or_when_it_raises(monkeypatch) -> None:
-    """Until the runtime calls prepare_step / apply_step / abort_step (issue 25), optim_step(keep_undo=True)
-    copies what it changes: undo_last takes a kept step back, and a step that raises in its kernels restores
-    every slot (nothing is poisoned)."""
-    engine, clean = _trained_pair()
-    before = _state(engine)
-    steps = dict.fromkeys(engine.pool.live_slots, STEP)
-    engine.optim_step(steps, keep_undo=True)
-    engine.undo_last()
-    _assert_same(_state(engine), before)
-    with monkeypatch.context() as patch:
-        fail_on_call(patch, optimizer.torch, "_fused_adamw_", call=2)  # the first slot has stepped
-        with pytest.raises(RuntimeError, match="injected"):
-            engine.optim_step(steps, keep_undo=True)
-    _assert_same(_state(engine), before)
-    assert engine.optim_step(steps, keep_undo=True) == clean.optim_step(steps)
-    _assert_same(_state(engine), _state(clean))

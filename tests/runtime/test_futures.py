@@ -96,3 +96,26 @@ def test_concurrent_writers_queue_on_the_store_never_on_sqlites_lock(tmp_path: P
     journal.close()  # everything appended is written
     assert store.count_futures() == 8 * 40
     assert futures.pending_count() == 0
+
+
+def test_an_outcome_the_database_refused_never_reads_as_pending_again_and_is_written_once_it_answers(
+    tmp_path: Path,
+) -> None:
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    futures = FutureTable(store, 3600.0, retained=2)  # two finished futures kept in memory
+    writer = JournalWriter(store, futures, retry_pauses_s=())
+    writer.start()
+    refused = futures.create("alice", "OptimStep", "r", 1)
+    real_write = store.write_batch
+    store.write_batch = lambda *_: (_ for _ in ()).throw(OSError("disk full (injected)"))  # type: ignore[method-assign]
+    assert not writer.append(Record({refused.id: {"metrics": {}}})).wait()  # not durable: failed in memory
+    store.write_batch = real_write  # type: ignore[method-assign]
+    for seq in range(2, 6):  # more finished futures than memory keeps: the refused one is not evicted
+        record = futures.create("alice", "OptimStep", "r", seq)
+        assert writer.append(Record({record.id: {"metrics": {}}})).wait()
+    failed = futures.get(refused.id, "alice")
+    assert (failed.status, failed.category) == ("failed", "server")
+    assert "could not record this request's outcome (OSError" in (failed.error or "")
+    writer.close()  # the database answers again: the failure is written before the writer stops
+    row = store.get_future(refused.id)
+    assert row is not None and (row.status, row.error) == ("failed", failed.error)

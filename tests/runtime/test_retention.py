@@ -190,3 +190,27 @@ def test_doctor_reports_usage_by_kind_and_what_retention_would_remove(
     assert "removed:" in capsys.readouterr().out
     assert not (tmp_path / "data" / "checkpoints" / run / "weights" / "gone").exists()
     assert main(["doctor", "--data-dir", data]) == 0
+
+
+def test_a_sweep_never_deletes_a_sampler_that_a_request_took_meanwhile(
+    service_factory, tmp_path, monkeypatch
+) -> None:
+    service = service_factory(snapshot_idle_s=0.2, retention_sweep_s=3600.0)  # swept by hand below
+    run = create_run(service)
+    sampler = run.replace(":train:0", ":sample:0")
+    saved = service.training.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler))
+    assert result_of(service, saved).status == "complete"
+    time.sleep(0.3)  # unused past snapshot_idle_s: the sweep finds it due
+    snapshot = tmp_path / "data" / "snapshots" / sampler
+    request = SampleRequest(PHRASE, SamplingParams(max_tokens=3, seed=1))
+    taken: list[str] = []
+    delete = service.store.delete_unused_sampler
+
+    def request_first(sampler_id, last_used_at):  # a request is accepted between the look and the delete
+        taken.append(service.samplers.sample("local", sampler, 0, request).id)
+        return delete(sampler_id, last_used_at)
+
+    monkeypatch.setattr(service.store, "delete_unused_sampler", request_first)
+    removal = service.housekeeping.sweep()
+    assert removal.samplers == [] and snapshot.is_dir()
+    assert result_of(service, service.futures.get(taken[0], "local")).status == "complete"

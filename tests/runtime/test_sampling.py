@@ -257,3 +257,23 @@ def test_after_a_restart_sample_results_remain_and_in_flight_samples_fail_as_ser
     lost = result_of(after, in_flight)
     assert (lost.category, lost.error) == ("server", RESTART_ERROR)
     assert after.samplers.sample("local", sampler, 1, _request()).id == in_flight.id
+
+
+def test_two_copies_of_an_asample_racing_past_the_resend_check_share_one_future(
+    service_factory, monkeypatch
+) -> None:
+    # The second copy read "no future yet" before the first wrote its row (the race, made certain here):
+    # the database's unique (sampler, seq_id) then answers it with the first future, never a 500.
+    service = service_factory()
+    sampler = _base_sampler(service)
+    first = service.samplers.sample("local", sampler, 3, _request())
+    real_lookup, lookups = service.store.future_id_for, []
+
+    def stale_once(run_id, seq_id):
+        lookups.append(seq_id)
+        return None if len(lookups) == 1 else real_lookup(run_id, seq_id)
+
+    monkeypatch.setattr(service.store, "future_id_for", stale_once)
+    second = service.samplers.sample("local", sampler, 3, _request())
+    assert second.id == first.id and len(lookups) == 2
+    assert result_of(service, second).status == "complete"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loraplex.engine.types import AdamParams, DatumInput
+from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
 from loraplex.errors import NotFoundError, UserError
-from loraplex.runtime.core.commands import ForwardBackward, OptimStep
+from loraplex.runtime.core.commands import CreateRun, ForwardBackward, OptimStep
 from tests.runtime.conftest import PHRASE, create_run, held, result_of, rl_pass, sft_pass, train_steps
 
 
@@ -173,3 +173,40 @@ def test_requests_behind_a_seq_id_that_never_arrives_fail_after_the_gap_timeout_
         "seq_id could be read); this request waited behind it and is dropped",
     )
     assert result_of(service, service.training.submit("local", run, 3, sft_pass())).status == "complete"
+
+
+def test_a_run_whose_session_lapsed_and_whose_gap_went_stale_in_the_same_check_fails_its_waiting_requests(
+    service_factory,
+) -> None:
+    # Both conditions hold at the engine loop's next lease check: the gap must be given up once, its
+    # requests failed, never dropped unanswered (an earlier loop asked each condition for the gap apart).
+    service = service_factory(session_timeout_s=0.3, seq_gap_timeout_s=0.3)
+    run = create_run(service)
+    stuck = service.training.submit("local", run, 2, sft_pass())  # seq 1 never comes, nor a heartbeat
+    outcome = result_of(service, stuck)
+    assert (outcome.category, outcome.error) == (
+        "user",
+        f"training run {run} never received seq_id 1 (its session expired, or it was refused before its "
+        "seq_id could be read); this request waited behind it and is dropped",
+    )
+
+
+def test_a_create_model_whose_future_could_not_be_written_leaves_nothing_behind_and_its_retry_creates_it(
+    service_factory, monkeypatch
+) -> None:
+    service = service_factory()
+    session = service.sessions.create("local", {})
+    command = CreateRun(LoraConfig(rank=4, seed=1), service.info.model_name)
+    real_add, calls = service.store.add_futures, []
+
+    def refuse_once(rows):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise OSError("database is locked (injected)")
+        return real_add(rows)
+
+    monkeypatch.setattr(service.store, "add_futures", refuse_once)
+    with pytest.raises(OSError, match="injected"):
+        service.training.create_run("local", session, 0, command)
+    retried = service.training.create_run("local", session, 0, command)  # the SDK resends a 5xx
+    assert result_of(service, retried).result == {"model_id": f"{session}:train:0", "type": "create_model"}

@@ -19,7 +19,7 @@ from loraplex.engine.types import (
     SampleRequest,
     SampleResult,
 )
-from loraplex.errors import ServerError, UserError
+from loraplex.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -109,28 +109,18 @@ class Engine(ABC):
         `prepare_step` (on data-parallel ranks, as an equal sum of the ranks' gradients). A stale or
         already used `prepared` is a ServerError and changes nothing."""
 
-    def optim_step(
-        self, steps: dict[int, AdamParams], keep_undo: bool = False
-    ) -> dict[int, dict[str, float]]:
+    def optim_step(self, steps: dict[int, AdamParams]) -> dict[int, dict[str, float]]:
         """`prepare_step` then `apply_step`: one fused AdamW step; its metrics. If it raises in the first
-        phase, no slot changed (apply_step says what a failure in the second means).
-
-        keep_undo=True is the legacy path of a runtime that still steps, records, and calls `undo_last`
-        when it cannot: engines that serve it override this method and copy what the step changes (it goes
-        once the runtime uses prepare_step / apply_step / abort_step: issue 25).
-        """
-        if keep_undo:
-            raise ServerError(f"{type(self).__name__} keeps no undo of an optimizer step: use abort_step")
+        phase, no slot changed (apply_step says what a failure in the second means)."""
         prepared = self.prepare_step(steps)
         self.apply_step(prepared)
         return prepared.metrics
 
     @abstractmethod
     def undo_last(self) -> None:
-        """Take back the last pass run with keep_undo (nothing if it raised or none was kept), or the legacy
-        keep_undo step (`optim_step`). The runtime asks this when it cannot record that call's outcome: its
-        requests then fail, and their retry must not count twice. Valid only before any other call changes
-        a slot."""
+        """Take back the last pass run with keep_undo (nothing if it raised or none was kept). The runtime
+        asks this when it cannot record that pass's outcome: its requests then fail, and their retry must
+        not count twice. Valid only before any other call changes a slot."""
 
     @abstractmethod
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:

@@ -6,7 +6,7 @@ Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -90,7 +90,7 @@ class LocalEngine(Engine):
         self.info = info
         self.pool = SlotPool(decoder, max_slots, info.max_rank)
         self.max_slots = max_slots
-        self._undo: SlotSnapshot | None = None  # the last keep_undo pass (or legacy step)
+        self._undo: SlotSnapshot | None = None  # the last keep_undo pass
         self._undo_buffer = UndoBuffer()  # where every pass transaction's copies go (transactions.py)
         self._step: PendingStep[tuple[list[int], StepPlan]] = PendingStep()  # the prepared step, if any
         self.last_pass = PassMetrics()
@@ -140,7 +140,7 @@ class LocalEngine(Engine):
         self.require_live_slots(requests)
         trained = {r.slot for r in requests if r.slot is not None and not r.forward_only}
         adams = [self.pool.get(slot).adam for slot in sorted(trained)]  # type: ignore[type-var]
-        with self._transaction(SlotSnapshot(adams, False, self._undo_buffer), keep_undo):
+        with self._transaction(SlotSnapshot(adams, self._undo_buffer), keep_undo):
             results = self._run_within_budget(requests)
         for adam in adams:
             adam.has_gradients = True
@@ -208,32 +208,6 @@ class LocalEngine(Engine):
         or aborts when rank 0 says so); None if there is none."""
         return self._step.prepared
 
-    def optim_step(
-        self, steps: dict[int, AdamParams], keep_undo: bool = False
-    ) -> dict[int, dict[str, float]]:
-        """prepare_step + apply_step, with no copy; keep_undo=True: the legacy `optim_step_with_undo`."""
-        if keep_undo:
-            return self.optim_step_with_undo(steps)
-        return super().optim_step(steps)
-
-    def optim_step_with_undo(
-        self, steps: dict[int, AdamParams], reduce_gradients: Callable[[list[Tensor]], None] | None = None
-    ) -> dict[int, dict[str, float]]:
-        """Legacy (issue 25: goes once the runtime calls prepare_step / apply_step / abort_step): one fused
-        step inside a SlotSnapshot of weights, moments and gradients, restored if it raises and kept for
-        `undo_last`. reduce_gradients (a data-parallel all-reduce) runs on the stepped slots' flat
-        accumulators first, inside the same transaction."""
-        self._begin_change()
-        adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError before anything changes
-        with self._transaction(SlotSnapshot(adams, True, self._undo_buffer), keep_undo=True):
-            if reduce_gradients is not None:
-                reduce_gradients([adam.grads_N for adam in adams])
-                for adam in adams:
-                    adam.has_gradients = True
-            plan = prepare_slots(list(zip(adams, steps.values(), strict=True)))
-            apply_slots(plan)
-        return dict(zip(steps, plan.metrics, strict=True))
-
     def require_live_slots(self, requests: list[PassRequest]) -> None:
         """ServerError if a request names a slot that is not loaded: the runtime built it without its run's
         slot, which must fail loudly rather than run on the base model; or one that is poisoned."""
@@ -246,8 +220,7 @@ class LocalEngine(Engine):
             raise ServerError(poisoned_message(poisoned))
 
     def undo_last(self) -> None:
-        """Take back the last pass (or legacy step) run with keep_undo (no-op if it failed or none was
-        kept)."""
+        """Take back the last pass run with keep_undo (no-op if it failed or none was kept)."""
         undo = self._undo
         self._begin_change()
         if undo is not None:

@@ -7,8 +7,8 @@ state at a pass) is restored by zeroing instead of from a copy; only accumulator
 gradients are copied.
 
 An optimizer step needs no copy: it runs in two phases (optimizer.py), a read-only prepare that does
-everything that can fail and an apply of in-place kernels only. Only the legacy keep_undo step
-(`LocalEngine.optim_step_with_undo`, issue 25) still snapshots weights, moments, gradients and step counts.
+everything that can fail and an apply of in-place kernels only; the runtime records its outcome between
+them (runtime/core/journal.py).
 
 Why copies rather than scratch accumulators committed at the end: backward writes straight into each
 slot's flat `.grad` views (optimizer.py); a scratch set would have to be swapped into every layer and
@@ -62,33 +62,27 @@ class UndoBuffer:
 class SlotSnapshot:
     """Copies of some slots' mutable buffers, to put back if the work that follows fails."""
 
-    def __init__(self, slots: Iterable[AdamSlot], with_state: bool, into: UndoBuffer) -> None:
-        """with_state False: gradients only (a pass); True: weights, moments, gradients, step (the legacy
-        keep_undo step).
-        The copies live in `into` until the next snapshot taken from it."""
+    def __init__(self, slots: Iterable[AdamSlot], into: UndoBuffer) -> None:
+        """The slots' gradient accumulators, as a pass is about to change them; the copies live in `into`
+        until the next snapshot taken from it."""
+        slots = list(slots)
         zeroed: list[Tensor] = []  # accumulators with nothing in them: restored by zeroing, not copied
         copied: list[Tensor] = []
-        self._steps: list[tuple[AdamSlot, int]] = []
         for slot in slots:
             (copied if slot.has_gradients else zeroed).append(slot.grads_N)
-            if with_state:
-                copied += [slot.weights_N, slot.exp_avg_N, slot.exp_avg_sq_N]
-            self._steps.append((slot, slot.step))
         self._zeroed = zeroed
         self._copies = list(zip(copied, into.views(copied), strict=True))
         with torch.no_grad():
             for live, copy in self._copies:
                 copy.copy_(live)
-        self._has_gradients = [(slot, slot.has_gradients) for slot, _ in self._steps]
+        self._has_gradients = [(slot, slot.has_gradients) for slot in slots]
 
     @torch.no_grad()
     def restore(self) -> None:
-        """Put every copied buffer, step count and gradient flag back as it was when taken."""
+        """Put every accumulator and gradient flag back as it was when taken."""
         for live in self._zeroed:
             live.zero_()
         for live, copy in self._copies:
             live.copy_(copy)
-        for slot, step in self._steps:
-            slot.step = step
         for slot, has_gradients in self._has_gradients:
             slot.has_gradients = has_gradients

@@ -35,7 +35,6 @@ from loraplex.engine.distributed.protocol import (
     Rollback,
     RunPass,
     Shutdown,
-    StepSlots,
     SyncSlot,
     gather_replies,
     scatter_commands,
@@ -163,22 +162,8 @@ class DistributedEngine(Engine):
         if slots:
             self._exchange([AbortStep(slots)] * self._group.world_size)
 
-    def optim_step(
-        self, steps: dict[int, AdamParams], keep_undo: bool = False
-    ) -> dict[int, dict[str, float]]:
-        """prepare_step + apply_step (two exchanges, one all-reduce). keep_undo=True is the legacy path
-        (issue 25): one exchange that steps at once, every rank keeping copies for `undo_last`."""
-        if not keep_undo:
-            return super().optim_step(steps)
-        self._step.invalidate()
-        if not steps:
-            return {}
-        for slot in steps:
-            self.local.pool.get(slot)  # NotFoundError before anything is sent
-        return self._exchange([StepSlots(dict(steps))] * self._group.world_size)[0]  # type: ignore[return-value]
-
     def undo_last(self) -> None:
-        """Every rank takes back its part of the last pass (or legacy step)."""
+        """Every rank takes back its part of the last pass."""
         self._step.invalidate()
         self._exchange([Rollback()] * self._group.world_size)
 

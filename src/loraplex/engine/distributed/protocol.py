@@ -46,14 +46,6 @@ class AbortStep:
 
 
 @dataclass(frozen=True)
-class StepSlots:
-    """Legacy (issue 25): all-reduce the stepped slots' gradients, then take the same fused step, each rank
-    keeping copies for Rollback (the runtime's `optim_step(keep_undo=True)` + `undo_last`)."""
-
-    steps: dict[int, AdamParams]
-
-
-@dataclass(frozen=True)
 class SyncSlot:
     """Make `slot` (created if absent) a copy of rank 0's: its weights, and its AdamW state if step > 0."""
 
@@ -71,8 +63,8 @@ class FreeSlot:
 
 @dataclass(frozen=True)
 class Rollback:
-    """Take back this rank's last pass (or legacy step): another rank failed its share, so the whole one
-    fails."""
+    """Take back this rank's last pass: another rank failed its share, or the runtime could not record its
+    outcome, so the whole one fails."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +90,6 @@ RankCommand = (
     | PrepareStep
     | ApplyStep
     | AbortStep
-    | StepSlots
     | Rollback
     | GatherGradients
     | SyncSlot
@@ -108,7 +99,7 @@ RankCommand = (
 )
 # Commands a rank answers with a RankError when its share raises, staying in the group: rank 0 then takes
 # the whole back on every rank (take_back), or, where that cannot be done (ApplyStep), fails the engine.
-REPORTED = (RunPass, PrepareStep, StepSlots, ApplyStep)
+REPORTED = (RunPass, PrepareStep, ApplyStep)
 
 
 def take_back(command: RankCommand) -> RankCommand | None:
@@ -116,7 +107,7 @@ def take_back(command: RankCommand) -> RankCommand | None:
     nothing can (a failed ApplyStep: replicas may now differ)."""
     if isinstance(command, PrepareStep):
         return AbortStep(tuple(command.steps))
-    if isinstance(command, RunPass | StepSlots):
+    if isinstance(command, RunPass):
         return Rollback()
     return None
 

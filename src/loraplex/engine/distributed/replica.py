@@ -24,7 +24,6 @@ from loraplex.engine.distributed.protocol import (
     RankError,
     Rollback,
     RunPass,
-    StepSlots,
     SyncSlot,
 )
 from loraplex.engine.local import LocalEngine
@@ -63,8 +62,6 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
         return apply_replicas(engine, group)
     if isinstance(command, AbortStep):
         return abort_replicas(engine, command.slots, group)
-    if isinstance(command, StepSlots):
-        return step_replicas(engine, command.steps, group)
     if isinstance(command, Rollback):
         return engine.undo_last()
     if isinstance(command, GatherGradients):
@@ -119,14 +116,6 @@ def abort_replicas(engine: LocalEngine, slots: tuple[int, ...], group: RankGroup
     if prepared is not None:
         engine.abort_step(prepared)
     _keep_sum_on_rank_0([engine.pool.get(slot).adam for slot in slots], group.rank)
-
-
-def step_replicas(
-    engine: LocalEngine, steps: dict[int, AdamParams], group: RankGroup
-) -> dict[int, dict[str, float]]:
-    """Legacy (issue 25): the all-reduce of `prepare_replicas`, then the step taken at once inside a
-    snapshot kept for Rollback (`LocalEngine.optim_step_with_undo`)."""
-    return engine.optim_step_with_undo(steps, lambda grads: all_reduce_flat(grads, group.data))
 
 
 @torch.no_grad()

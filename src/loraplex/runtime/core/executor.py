@@ -211,6 +211,7 @@ class Executor:
             log.exception("an optimizer step failed after it was recorded; its runs are lost")
             for run, _ in items:
                 self.lose(run, exc, f"training run {run.run_id} lost its state in a failed optimizer step")
+                self._free_lost_slot(run)
             return
         self.telemetry.record_optim_step(len(steps), prepare_s + time.perf_counter() - start)
         for run, _ in items:
@@ -390,6 +391,18 @@ class Executor:
         error = ServerError(why)
         outcomes: dict[str, Outcome] = {entry.future_id: error for entry in dropped}
         self.hand_over(Record(outcomes, [RunStatusChanged(run.run_id, LOST)]))
+
+    def _free_lost_slot(self, run: RunState) -> None:
+        """Give back the slot of a run whose state was lost (the engine frees even a poisoned slot)."""
+        if run.slot is None:
+            return
+        try:
+            self.engine.free_slot(run.slot)
+        except Exception:
+            log.exception("could not free the slot of lost run %s", run.run_id)
+            return
+        with self.state.cond:
+            run.slot = None
 
     # --- sampling (reads immutable snapshots: changes no slot, so nothing to settle)
     def admit_sample(self, job: SampleJob) -> None:
