@@ -1,0 +1,70 @@
+"""Bounds for comparing two fp32 computations of one value that differ only in rounding (summation order:
+two ranks or one, packed or per sequence, fused or a reference loop), derived from the computation.
+
+No tolerance is tuned on one CPU: another CPU (AVX-512 or AVX2, another BLAS kernel) sums in another
+order and rounds differently. A bound is a multiple of the rounding error the test measures on this host,
+as the distance from the fp32 result `want` to `exact`, the same computation in float64 (exact to fp32
+rounding), plus one fp32 ulp per element. Norms, not elements: one element's error can be zero by luck.
+A wrong computation (a dropped datum, another slot's adapter) is off by far more; the tests that use these
+bounds check that too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+# fp32 unit roundoff: fl(x) = x·(1 + d) with |d| <= U; one ulp of x is at most 2U·|x|.
+U = 2.0**-24
+# Two fp32 computations each within e of the exact value are within 2e of each other; twice that again
+# because `got` rounds at other places than `want` (more partial sums, another kernel or packing), so its
+# own error may exceed want's, and one measured error norm scatters about its typical size.
+NOISE_MULTIPLE = 4.0
+
+Array = torch.Tensor | np.ndarray
+
+logger = logging.getLogger(__name__)
+
+
+def to_numpy(value: Array | float) -> np.ndarray:
+    """A float64 numpy copy of a tensor (any device or dtype, detached), array or number."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def rounding_bound(want: Array | float, exact: Array | float, multiple: float = NOISE_MULTIPLE) -> float:
+    """How far another fp32 computation of `want` may lie from it, in norm: `multiple` times want's own
+    rounding error |want - exact|, plus one ulp per element (2U·|want|), by which two results rounded once
+    from the same value may differ even where `want` rounds to `exact` exactly."""
+    want_np, exact_np = to_numpy(want), to_numpy(exact)
+    assert want_np.shape == exact_np.shape, f"{want_np.shape} != {exact_np.shape}"
+    noise = float(np.linalg.norm(want_np - exact_np))
+    return multiple * noise + 2 * U * float(np.linalg.norm(want_np))
+
+
+def assert_within_rounding(
+    got: Array, want: Array, exact: Array, what: str, multiple: float = NOISE_MULTIPLE
+) -> None:
+    """|got - want| <= rounding_bound(want, exact, multiple), in norm; the message names `what`."""
+    got_np, want_np = to_numpy(got), to_numpy(want)
+    assert got_np.shape == want_np.shape, f"{what}: shape {got_np.shape} != {want_np.shape}"
+    error = float(np.linalg.norm(got_np - want_np))
+    assert_at_most(error, rounding_bound(want_np, exact, multiple), what)
+
+
+def sum_rounding_bound(terms: Array) -> float:
+    """How far an fp32 sum of `terms`, in any order, may lie from their exact sum: gamma_(n-1)·Σ|term|
+    (Higham, Accuracy and Stability of Numerical Algorithms, §4.2), n the number of terms."""
+    terms_np = to_numpy(terms).reshape(-1)
+    n = max(terms_np.size - 1, 0)
+    return n * U / (1 - n * U) * float(np.abs(terms_np).sum())
+
+
+def assert_at_most(error: float, bound: float, what: str) -> None:
+    """error <= bound, logging error / bound (the margin) at DEBUG for whoever measures it."""
+    ratio = error / bound if bound else 0.0
+    logger.debug("%s: error %.3g, bound %.3g, ratio %.3f", what, error, bound, ratio)
+    assert error <= bound, f"{what}: error norm {error:.3g} exceeds its rounding bound {bound:.3g}"
