@@ -25,10 +25,9 @@ from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine, build_local_engine
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult
 from loraplex.errors import UserError
-from loraplex.model import moe
 from loraplex.model.decoder import Decoder
-from loraplex.model.grouped_mm import grouped_mm_reference
 from loraplex.model.hf_checkpoint import load_decoder
+from tests.model.float64 import float64_experts
 
 MAX_SLOTS, MAX_RANK = 4, 16
 VOCAB = 512  # the tiny model's
@@ -50,11 +49,12 @@ class ReferenceEngine(LocalEngine):
     """The single-rank reference, with `exact`: its float64 twin, given every slot, pass, step and load.
 
     A comparison against the reference reads this host's rounding error of it as its distance to the
-    twin (tests/model/rounding.py). The twin holds the base model in float64; its adapters, their
-    gradients and AdamW stay fp32 (the slot pool and the LoRA layers accept fp32 tensors only), computed
-    from float64 activations. Its rounding is therefore independent of the reference's, and its distance
-    to the reference at least the reference's own error: the base model's rounding, plus both engines'
-    rounding in the adapters, their gradient sums and the optimizer.
+    twin (tests/model/rounding.py). The twin holds the base model in float64 (but for the fp32 islands
+    tests/model/float64.py lists); its adapters, their gradients and AdamW stay fp32 (the slot pool and the
+    LoRA layers accept fp32 tensors only), computed from float64 activations. Its rounding is therefore
+    independent of the reference's, and its distance to the reference at least the reference's own error:
+    the base model's rounding, plus both engines' rounding in the adapters, their gradient sums and the
+    optimizer.
     """
 
     def __init__(self, decoder: Decoder, info: EngineInfo, max_slots: int, exact: LocalEngine) -> None:
@@ -73,9 +73,7 @@ class ReferenceEngine(LocalEngine):
     def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         """The reference's results, each a ReferenceResult carrying the twin's."""
         results = super().run_pass(requests, keep_undo)
-        with pytest.MonkeyPatch.context() as patch:
-            # torch._grouped_mm has no float64 kernel: the twin's experts run the loop it must equal.
-            patch.setattr(moe, "grouped_mm", grouped_mm_reference)
+        with float64_experts():
             exact = self.exact.run_pass(requests)
         return [
             ReferenceResult(r.outputs, r.metrics, x) if isinstance(r, PassResult) else r
