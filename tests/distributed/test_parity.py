@@ -37,7 +37,7 @@ from tests.model.rounding import (
     assert_at_most,
     assert_within_rounding,
     rounding_bound,
-    sum_rounding_bound,
+    sums_bound,
 )
 
 # AdamW (eps 1e-12) turns the rounding of a cancelling or near-zero gradient element into an update error
@@ -87,9 +87,9 @@ def assert_results_equal(got: list[PassResult | UserError], want: list[PassResul
 
     - all outputs of the pass together (each key) within rounding_bound of the reference's, whose error is
       its distance to its float64 twin's outputs;
-    - a request's loss:sum, a sum of its elementwise losses, within their difference plus the rounding of
-      summing them on each side (sum_rounding_bound: an fp32 sum of n terms may be off by n·U·Σ|ℓ|, so a
-      sum that cancels to near 0 keeps the absolute error of its terms);
+    - a request's loss:sum, a sum of its elementwise losses, within the exact difference of their sums
+      plus the rounding of summing them on each side (sums_bound: an fp32 sum of n terms may be off by
+      n·U·Σ|ℓ|, so a sum that cancels to near 0 keeps the absolute error of its terms);
     - every other metric (a mean of counted tokens) within rounding_bound of the reference's.
     """
     assert len(got) == len(want)
@@ -113,9 +113,9 @@ def assert_results_equal(got: list[PassResult | UserError], want: list[PassResul
         for key in w.metrics:
             error = abs(g.metrics[key] - w.metrics[key])
             if key == "loss:sum":
-                g_loss, w_loss = (np.concatenate([o["elementwise_loss"] for o in r.outputs]) for r in (g, w))
-                bound = float(np.abs(g_loss - w_loss).sum()) + sum_rounding_bound(g_loss)
-                bound += sum_rounding_bound(w_loss)
+                bound = sums_bound(
+                    *(np.concatenate([o["elementwise_loss"] for o in r.outputs]) for r in (g, w))
+                )
             else:
                 bound = rounding_bound(w.metrics[key], x.metrics[key])
             assert_at_most(error, bound, f"request {index} {key}")

@@ -82,6 +82,14 @@ def sum_rounding_bound(terms: Array) -> float:
     return n * U / (1 - n * U) * float(np.abs(terms_np).sum())
 
 
+def sums_bound(terms: Array, other_terms: Array) -> float:
+    """How far fp32 sums of two lists of terms, each summed in any order, may lie apart: the exact
+    difference of their sums plus each sum's rounding (sum_rounding_bound). A sum that cancels to near 0
+    keeps the absolute error of its terms, which no relative tolerance of the sum can bound."""
+    difference = float(to_numpy(terms).sum() - to_numpy(other_terms).sum())  # float64: exact to ~1e-16
+    return abs(difference) + sum_rounding_bound(terms) + sum_rounding_bound(other_terms)
+
+
 def assert_at_most(error: float, bound: float, what: str) -> None:
     """error <= bound, logging error / bound (the margin) at DEBUG for whoever measures it."""
     ratio = error / bound if bound else 0.0
