@@ -19,7 +19,7 @@ from loraplex.model.moe import SparseMoE, sparse_moe_reference
 from loraplex.model.multi_lora import LoRARouting, Segment
 from loraplex.model.packing import PackedSequences
 from tests.model.float64 import float64_copy, float64_experts
-from tests.model.rounding import BF16_U, assert_within_rounding
+from tests.model.rounding import BF16_U, U, assert_within_rounding
 from tests.model.test_decoder_parity import (
     assert_logits_equal_transformers,
     save_random_hf_model,
@@ -292,7 +292,9 @@ def test_a_slot_changes_only_its_own_tokens() -> None:
             A_shape, B_shape = layer.lora_shapes(4)
             layer.attach(1, torch.randn(A_shape), torch.randn(B_shape), scale=1.0)
         routed = block(x, ROUTING)
-    changed = (routed - base).abs().amax(-1) > 1e-6
+    # Another pack of the same rows may round each row's sums (at most 64 terms: within 64U of the row's
+    # scale) otherwise; a LoRA delta of random A and B moves a row by about its own scale.
+    changed = (routed - base).abs().amax(-1) > 1000 * U * base.abs().amax(-1)
     assert changed.tolist() == [9 <= t < 12 for t in range(ROUTING.num_tokens)]
 
 

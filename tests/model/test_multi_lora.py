@@ -25,7 +25,7 @@ from loraplex.model.multi_lora import (
 )
 from loraplex.model.packing import PackedSequences
 from tests.model.float64 import float64_copy
-from tests.model.rounding import assert_within_rounding, rounding_bound
+from tests.model.rounding import BF16_U, U, assert_within_rounding, rounding_bound
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -94,14 +94,12 @@ def test_fused_delta_equals_per_token_loop(rank: int, layout: str, dtype: torch.
     routing = LoRARouting(tuple(LAYOUTS[layout]))
     x, y = torch.randn(10, 12, dtype=dtype), torch.randn(10, 20, dtype=dtype)
     expected = add_lora_delta_reference(y, x, routing, slots)
-    if dtype == torch.float32:
-        # Each delta sums rank x in_features products in another order than the reference (the order the
-        # BLAS picks differs between CPUs): within rounding of the reference, against the exact value.
-        exact = delta_exact(y, x, routing, slots)
-        assert_within_rounding(add_lora_delta(y, x, routing, slots), expected, exact, "delta")
-    else:
-        # Both compute in fp32 and round once to bf16: assert_close's bf16 default (rtol 2^-6, two ulps).
-        torch.testing.assert_close(add_lora_delta(y, x, routing, slots), expected)
+    # Each delta sums rank x in_features products in another order than the reference (the order the BLAS
+    # picks differs between CPUs), in fp32, then rounds to the base dtype: within rounding of the
+    # reference, against the exact value, in that dtype's unit roundoff.
+    exact = delta_exact(y, x, routing, slots)
+    unit = {torch.float32: U, torch.bfloat16: BF16_U}[dtype]
+    assert_within_rounding(add_lora_delta(y, x, routing, slots), expected, exact, "delta", unit=unit)
 
 
 # Adjacent equal-length, equal-rank segments run as one batched matmul; the rest one by one.
@@ -167,7 +165,9 @@ def test_delta_reaches_only_its_segment_and_keeps_the_base_dtype() -> None:
     A, B, scale = slots[0]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out[[0, 1, 3]], y[[0, 1, 3]])
-    torch.testing.assert_close(out[2], (y[2].float() + scale * B @ A @ x[2].float()).bfloat16())
+    want = (y[2].float() + scale * B @ A @ x[2].float()).bfloat16()
+    exact = y[2].double() + scale * B.double() @ A.double() @ x[2].double()
+    assert_within_rounding(out[2], want, exact, "delta", unit=BF16_U)
 
 
 def test_routing_merges_neighbouring_sequences_of_a_slot_and_slices_renumbered() -> None:
