@@ -46,7 +46,8 @@ class ReferenceResult(PassResult):
 
 
 class ReferenceEngine(LocalEngine):
-    """The single-rank reference, with `exact`: its float64 twin, given every slot, pass, step and load.
+    """The single-rank reference, with `exact`: its float64 twin, given every slot, pass, step, undo and
+    load.
 
     A comparison against the reference reads this host's rounding error of it as its distance to the
     twin (tests/model/rounding.py). The twin holds the base model in float64 (but for the fp32 islands
@@ -74,7 +75,7 @@ class ReferenceEngine(LocalEngine):
         """The reference's results, each a ReferenceResult carrying the twin's."""
         results = super().run_pass(requests, keep_undo)
         with float64_experts():
-            exact = self.exact.run_pass(requests)
+            exact = self.exact.run_pass(requests, keep_undo)
         return [
             ReferenceResult(r.outputs, r.metrics, x) if isinstance(r, PassResult) else r
             for r, x in zip(results, exact, strict=True)
@@ -87,8 +88,12 @@ class ReferenceEngine(LocalEngine):
         reduce_gradients: Callable[[list[Tensor]], None] | None = None,
     ) -> dict[int, dict[str, float]]:
         metrics = super().optim_step(steps, keep_undo, reduce_gradients)
-        self.exact.optim_step(steps)
+        self.exact.optim_step(steps, keep_undo)
         return metrics
+
+    def undo_last(self) -> None:
+        super().undo_last()
+        self.exact.undo_last()
 
     def load_state(
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None

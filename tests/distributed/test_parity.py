@@ -83,9 +83,9 @@ def training_pass(slots: list[int], seed: int) -> list[PassRequest]:
 
 
 def assert_results_equal(got: list[PassResult | UserError], want: list[PassResult | UserError]) -> None:
-    """`got` as the reference's results `want`, within rounding: the same errors and output shapes, and
+    """`got` as the reference's results `want`, within rounding, with the same errors and output shapes.
 
-    - all outputs of the pass together (each key) within rounding_bound of the reference's, whose error is
+    - All outputs of the pass together (each key) within rounding_bound of the reference's, whose error is
       its distance to its float64 twin's outputs;
     - a request's loss:sum, a sum of its elementwise losses, within the exact difference of their sums
       plus the rounding of summing them on each side (sums_bound: an fp32 sum of n terms may be off by
