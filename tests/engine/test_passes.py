@@ -33,7 +33,7 @@ from loraplex.model.decoder import Decoder
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 from tests.engine.conftest import randomize_lora_b
-from tests.model.rounding import assert_at_most, assert_within_rounding, sums_bound
+from tests.model.rounding import assert_at_most, assert_within_rounding, rounding_bound, sums_bound
 
 VOCAB = 64
 MICRO_QWEN3 = {
@@ -541,6 +541,14 @@ def test_datums_split_across_two_passes_accumulate_the_same_gradient_as_one_pass
         expected = torch.cat([torch.as_tensor(grads[name]).flatten() for name in grads])
         actual = torch.cat([torch.as_tensor(split[slot][name]).flatten() for name in grads])
         assert float((actual - expected).norm()) <= 1e-6 * float(expected.norm())
+    # A datum lost between the passes is over a thousand rounding bounds away.
+    zero_grads(engine)
+    engine.run_pass([replace(r, datums=r.datums[:2]) for r in requests])
+    engine.run_pass([replace(r, datums=r.datums[2:3]) for r in requests])
+    for slot in slots:
+        for name, grad in slot_grads(engine, slot).items():
+            error = float((grad - one_pass[slot][name]).norm())
+            assert error > 1000 * rounding_bound(one_pass[slot][name], exact[slot][name]), name
 
 
 @pytest.mark.parametrize("loss_fn", ALL_LOSSES)
