@@ -1,5 +1,6 @@
 """Two engine ranks on the tiny model: rank 0 in the test process, rank 1 a real `loraplex engine-worker`
-child (gloo on CPU, one thread each); a single-rank LocalEngine on the same model is the reference.
+child (gloo on CPU, one thread each); a single-rank LocalEngine on the same model is the reference, and
+its float64 twin measures the reference's rounding error (`ReferenceEngine`).
 
 `start_ranks` always closes the engine and kills the child, whatever the test did to it.
 """
@@ -7,7 +8,7 @@ child (gloo on CPU, one thread each); a single-rank LocalEngine on the same mode
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,20 +16,100 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
 from loraplex.engine.distributed.group import RankEnv
 from loraplex.engine.distributed.launch import LocalRanks
+from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine, build_local_engine
-from loraplex.engine.types import DatumInput, PassRequest
+from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult
+from loraplex.errors import UserError
+from loraplex.model.decoder import Decoder
+from loraplex.model.hf_checkpoint import load_decoder
+from tests.model.float64 import float64_experts
 
 MAX_SLOTS, MAX_RANK = 4, 16
 VOCAB = 512  # the tiny model's
 
 
-def build_reference(data_dir: Path, device: str = "cpu", model: str = "tiny") -> LocalEngine:
+def build_engine(data_dir: Path, device: str = "cpu", model: str = "tiny") -> LocalEngine:
     """A single-rank engine on `model` (the tiny model by default), configured as the ranks are."""
     return build_local_engine(model, data_dir, device, MAX_SLOTS, MAX_RANK, None)
+
+
+@dataclass
+class ReferenceResult(PassResult):
+    """The reference's result of one request, with its float64 twin's result of the same request."""
+
+    exact: PassResult | UserError | None = None
+
+
+class ReferenceEngine(LocalEngine):
+    """The single-rank reference, with `exact`: its float64 twin, given every slot, pass, step, undo and
+    load.
+
+    A comparison against the reference reads this host's rounding error of it as its distance to the
+    twin (tests/model/rounding.py). The twin holds the base model in float64 (but for the fp32 islands
+    tests/model/float64.py lists); its adapters, their gradients and AdamW stay fp32 (the slot pool and the
+    LoRA layers accept fp32 tensors only), computed from float64 activations. Its rounding is therefore
+    independent of the reference's, and its distance to the reference at least the reference's own error:
+    the base model's rounding, plus both engines' rounding in the adapters, their gradient sums and the
+    optimizer.
+    """
+
+    def __init__(self, decoder: Decoder, info: EngineInfo, max_slots: int, exact: LocalEngine) -> None:
+        super().__init__(decoder, info, max_slots)
+        self.exact = exact
+
+    def create_slot(self, config: LoraConfig) -> int:
+        slot = super().create_slot(config)
+        assert self.exact.create_slot(config) == slot
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        super().free_slot(slot)
+        self.exact.free_slot(slot)
+
+    def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
+        """The reference's results, each a ReferenceResult carrying the twin's."""
+        results = super().run_pass(requests, keep_undo)
+        with float64_experts():
+            exact = self.exact.run_pass(requests, keep_undo)
+        return [
+            ReferenceResult(r.outputs, r.metrics, x) if isinstance(r, PassResult) else r
+            for r, x in zip(results, exact, strict=True)
+        ]
+
+    def optim_step(
+        self,
+        steps: dict[int, AdamParams],
+        keep_undo: bool = False,
+        reduce_gradients: Callable[[list[Tensor]], None] | None = None,
+    ) -> dict[int, dict[str, float]]:
+        metrics = super().optim_step(steps, keep_undo, reduce_gradients)
+        self.exact.optim_step(steps, keep_undo)
+        return metrics
+
+    def undo_last(self) -> None:
+        super().undo_last()
+        self.exact.undo_last()
+
+    def load_state(
+        self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
+    ) -> tuple[int, LoraConfig]:
+        """Load into the reference and the twin alike: both resume from the same fp32 state."""
+        loaded = super().load_state(directory, owner_digest, with_optimizer, slot)
+        assert self.exact.load_state(directory, owner_digest, with_optimizer, slot) == loaded
+        return loaded
+
+
+def build_reference(data_dir: Path, model: str = "tiny") -> ReferenceEngine:
+    """A single-rank reference engine on `model` (CPU, fp32, configured as the ranks are) and its twin."""
+    engine = build_engine(data_dir, "cpu", model)
+    exact_decoder = load_decoder(Path(engine.info.tokenizer_dir), torch.device("cpu"), torch.float64)
+    exact = LocalEngine(exact_decoder, engine.info, MAX_SLOTS)
+    return ReferenceEngine(engine.decoder, engine.info, MAX_SLOTS, exact)
 
 
 @dataclass
@@ -67,7 +148,7 @@ def start_ranks(
     try:
         engine = start_coordinator(
             env,
-            lambda device: build_reference(data_dir, device, model),
+            lambda device: build_engine(data_dir, device, model),
             "cpu",
             timeout_s,
             failures.append,
@@ -97,7 +178,7 @@ def ranks(data_dir: Path) -> Iterator[Ranks]:
 
 
 @pytest.fixture(scope="module")
-def reference(data_dir: Path) -> LocalEngine:
+def reference(data_dir: Path) -> ReferenceEngine:
     return build_reference(data_dir)
 
 

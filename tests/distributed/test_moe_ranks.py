@@ -3,13 +3,28 @@ replicated and stepped like dense ones."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from loraplex.engine.types import DatumInput, PassRequest
-from tests.distributed.conftest import build_reference, start_ranks
-from tests.distributed.test_parity import PARAMS, assert_adapters_equal, assert_results_equal, slots_on
+from loraplex.engine.types import DatumInput, PassRequest, PassResult
+from tests.distributed.conftest import (
+    ReferenceEngine,
+    ReferenceResult,
+    adapter_state,
+    build_reference,
+    start_ranks,
+)
+from tests.distributed.test_parity import (
+    ADAMW_NOISE_MULTIPLE,
+    CONFIGS,
+    PARAMS,
+    assert_adapters_equal,
+    assert_results_equal,
+    slots_on,
+)
+from tests.model.rounding import rounding_bound
 from tests.model.test_decoder_parity import save_random_hf_model
 from tests.model.test_moe import moe_config
 
@@ -37,3 +52,34 @@ def test_an_moe_model_on_two_ranks_trains_its_expert_adapters_as_on_one(tmp_path
                 engine.optim_step(dict(zip(slots, PARAMS, strict=True)))
         assert_adapters_equal(ranks.engine.local, reference, slots)
         assert any(".experts." in name for name in reference.pool.get(slots[0]).weights)
+        _assert_wrong_results_are_outside_the_bounds(reference, slots, config.vocab_size)
+
+
+def _assert_wrong_results_are_outside_the_bounds(
+    reference: ReferenceEngine, slots: list[int], vocab: int
+) -> None:
+    """The rounding bounds are over a thousand times tighter than a wrong computation's error: the
+    reference's logprobs under another slot's adapter, and the adapter of a slot trained as the first
+    but without one datum."""
+    a, b, _ = slots
+    check = [replace(r, forward_only=True) for r in _requests([a], seed=7, vocab=vocab)]
+    (wrong,), (right,) = reference.run_pass([replace(r, slot=b) for r in check]), reference.run_pass(check)
+    assert isinstance(wrong, PassResult) and isinstance(right, ReferenceResult)
+    assert isinstance(right.exact, PassResult)
+    g, w, x = (np.concatenate([o["logprobs"] for o in r.outputs]) for r in (wrong, right, right.exact))
+    assert np.linalg.norm(g - w) > 1000 * rounding_bound(w, x)
+    short = reference.create_slot(CONFIGS[0])  # as slot a: same config and seed, same steps, a datum less
+    try:
+        for step in range(2):
+            request = _requests([short], seed=step, vocab=vocab)[0]  # slot a's datums at this step
+            reference.run_pass([replace(request, datums=request.datums[:-1])])
+            reference.optim_step({short: PARAMS[0]})
+        got, want, exact = (
+            adapter_state(engine, s)
+            for engine, s in ((reference, short), (reference, a), (reference.exact, a))
+        )
+        for name in (n for n in want if "lora_B" in n):
+            error = np.linalg.norm(got[name] - want[name])
+            assert error > 1000 * rounding_bound(want[name], exact[name], ADAMW_NOISE_MULTIPLE), name
+    finally:
+        reference.free_slot(short)

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from loraplex.engine.logprobs import chunked_token_logprobs
+from tests.model.rounding import assert_within_rounding
 
 T, D, V, R = 37, 8, 29, 4
 
@@ -31,10 +32,18 @@ class _LoraHead:
     def params(self) -> list[torch.Tensor]:
         return [self.w_VD, self.a_RD, self.b_VR]
 
+    def double(self) -> _LoraHead:
+        """The same head with float64 copies of its weights as its own leaves."""
+        twin = _LoraHead.__new__(_LoraHead)
+        twin.w_VD, twin.a_RD, twin.b_VR = (p.detach().double().requires_grad_(True) for p in self.params())
+        twin.calls = []
+        return twin
+
 
 def _full_reference(hidden_TD: torch.Tensor, head: _LoraHead, targets: torch.Tensor) -> torch.Tensor:
-    """The plain path the chunked one must equal: all logits at once."""
-    lp_TV = torch.log_softmax(head(hidden_TD, 0, hidden_TD.shape[0]).float(), dim=-1)
+    """The plain path the chunked one must equal: all logits at once (normalised in fp32, or float64)."""
+    logits_TV = head(hidden_TD, 0, hidden_TD.shape[0])
+    lp_TV = torch.log_softmax(logits_TV.to(torch.promote_types(logits_TV.dtype, torch.float32)), dim=-1)
     return lp_TV.gather(-1, targets) if targets.dim() == 2 else lp_TV.gather(-1, targets[:, None])[:, 0]
 
 
@@ -59,10 +68,11 @@ def test_chunked_logprobs_equal_the_full_log_softmax_gather(chunk_size: int, top
         lambda h, hd, t: chunked_token_logprobs(h, hd, t, chunk_size), hidden_TD, head, targets
     )
     ref_lp, ref_grads = _value_and_grads(_full_reference, hidden_TD, head, targets)
+    exact_lp, exact_grads = _value_and_grads(_full_reference, hidden_TD.double(), head.double(), targets)
     assert lp.shape == shape and lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
-    for grad, ref_grad in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    assert_within_rounding(lp, ref_lp, exact_lp, "lp")
+    for name, *values in zip(("hidden", "w", "a", "b"), grads, ref_grads, exact_grads, strict=True):
+        assert_within_rounding(*values, f"grad {name}")
 
 
 def test_head_fn_sees_each_chunk_with_its_token_range() -> None:
@@ -82,9 +92,13 @@ def test_low_precision_logits_are_normalised_in_fp32() -> None:
 
     with torch.no_grad():
         lp = chunked_token_logprobs(hidden_TD, bf16_head, targets, 8)
-        ref = torch.log_softmax(bf16_head(hidden_TD, 0, T).float(), -1).gather(-1, targets[:, None])[:, 0]
+        logits = bf16_head(hidden_TD, 0, T)
+        ref, exact = (
+            torch.log_softmax(logits.to(dtype), -1).gather(-1, targets[:, None])[:, 0]
+            for dtype in (torch.float32, torch.float64)
+        )
     assert lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ref, rtol=1e-6, atol=1e-6)
+    assert_within_rounding(lp, ref, exact, "lp")
 
 
 def test_under_no_grad_the_result_is_the_same_and_keeps_no_graph() -> None:
@@ -94,7 +108,8 @@ def test_under_no_grad_the_result_is_the_same_and_keeps_no_graph() -> None:
     with torch.no_grad():
         lp = chunked_token_logprobs(hidden_TD, head, targets, 5)
     assert not lp.requires_grad
-    torch.testing.assert_close(lp, chunked_token_logprobs(hidden_TD, head, targets, 5).detach())
+    # The same chunks through the same ops (checkpointing only keeps less): the same bits.
+    assert torch.equal(lp, chunked_token_logprobs(hidden_TD, head, targets, 5).detach())
 
 
 class _LiveMemory(TorchDispatchMode):

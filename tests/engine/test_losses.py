@@ -18,14 +18,23 @@ from loraplex.engine.losses import (
 )
 from loraplex.engine.types import DatumInput, PassRequest
 from loraplex.errors import UserError
+from tests.model.rounding import U, assert_at_most, assert_within_rounding, sums_bound
 
 VOCAB = 50
 RL_LOSSES = ("importance_sampling", "ppo", "cispo", "dro", "gspo")
 Inputs = dict[str, np.ndarray]
 
 
+# A per-token loss in fp32 rounds each input (U), each of its few arithmetic results (U) and its exp or
+# log (within one ulp, 2U): under 16 roundings of U for any loss here, so 32U relative to the terms it
+# combines (logprobs, weights, advantages and ratios of at most 4 here) bounds it with room to spare.
+FORMULA_TOLERANCE = 32 * U
+TERM_SCALE = 4.0
+
+
 def _run(loss_fn: str, lp: torch.Tensor, datums: list[Inputs], config: dict | None = None):
-    """Per-token loss, metrics and ∂(Σℓ)/∂lp of one request, through the engine's calls."""
+    """Per-token loss, metrics and ∂(Σℓ)/∂lp of one request, through the engine's calls (in lp's dtype,
+    float64 for the exact twin of a run)."""
     resolved = resolve_loss_config(loss_fn, config)
     for index, inputs in enumerate(datums):
         validate_datum_inputs(loss_fn, index, len(inputs["target_tokens"]), inputs, VOCAB, resolved)
@@ -62,9 +71,10 @@ def test_golden_values_of_losses_md(
     loss_fn: str, inputs: Inputs, config: dict, loss: float, grad: list
 ) -> None:
     loss_T, metrics, grad_T = _run(loss_fn, torch.tensor(GOLDEN_LP), [inputs], config)
-    assert metrics["loss:sum"].item() == pytest.approx(loss, rel=1e-6, abs=1e-6)
-    assert loss_T.sum().item() == pytest.approx(loss, rel=1e-6, abs=1e-6)
-    assert grad_T.tolist() == pytest.approx(grad, rel=1e-6, abs=1e-6)
+    tolerance = {"rel": FORMULA_TOLERANCE, "abs": FORMULA_TOLERANCE * TERM_SCALE}
+    assert metrics["loss:sum"].item() == pytest.approx(loss, **tolerance)
+    assert loss_T.sum().item() == pytest.approx(loss, **tolerance)
+    assert grad_T.tolist() == pytest.approx(grad, **tolerance)
 
 
 # --- an independent reference: per datum, per token, straight from the formulas ----------------------
@@ -111,18 +121,41 @@ def _reference(loss_fn: str, lp_N: torch.Tensor, inputs: Inputs, config: dict) -
     return out
 
 
-def _reference_run(loss_fn: str, lp: torch.Tensor, datums: list[Inputs], config: dict | None = None):
-    """Per-token loss and ∂(Σℓ)/∂lp from the reference, in float64."""
+def _reference_run(
+    loss_fn: str,
+    lp: torch.Tensor,
+    datums: list[Inputs],
+    config: dict | None = None,
+    dtype: torch.dtype = torch.float64,
+):
+    """Per-token loss and ∂(Σℓ)/∂lp from the reference, with lp in `dtype` (float64: the exact values;
+    fp32: a run whose distance to them is this formula's rounding on this data)."""
     resolved = resolve_loss_config(loss_fn, config)
-    lp64 = lp.detach().double().requires_grad_(True)
+    lp_ = lp.detach().to(dtype).requires_grad_(True)
     per_token, start = [], 0
     for inputs in datums:
         n = len(inputs["target_tokens"])
-        per_token += _reference(loss_fn, lp64[start : start + n], inputs, resolved)
+        per_token += _reference(loss_fn, lp_[start : start + n], inputs, resolved)
         start += n
-    loss_T = torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in per_token])
+    loss_T = torch.stack([torch.as_tensor(v).to(dtype) for v in per_token])
     loss_T.sum().backward()
-    return loss_T.detach().float(), lp64.grad.float()
+    return loss_T.detach(), lp_.grad
+
+
+def _assert_equals_reference(loss_fn: str, lp: torch.Tensor, datums: list[Inputs], config: dict) -> None:
+    """The engine's per-token loss and gradient within rounding of the reference's (its fp32 run against
+    its float64 one), and loss:sum within the rounding of summing them."""
+    loss_T, metrics, grad_T = _run(loss_fn, lp, datums, config)
+    (ref_loss_T, ref_grad_T), (exact_loss_T, exact_grad_T) = (
+        _reference_run(loss_fn, lp, datums, config, dtype) for dtype in (torch.float32, torch.float64)
+    )
+    assert_within_rounding(loss_T, ref_loss_T, exact_loss_T, "loss")
+    assert_within_rounding(grad_T, ref_grad_T, exact_grad_T, "grad")
+    assert_at_most(
+        abs(metrics["loss:sum"].item() - exact_loss_T.sum().item()),
+        sums_bound(loss_T, exact_loss_T),
+        "loss:sum",
+    )
 
 
 def _rl_datum(
@@ -185,11 +218,7 @@ def test_every_loss_equals_the_per_token_reference_on_random_datums(
     loss_fn: str, config: dict, seed: int
 ) -> None:
     lp, datums = _random_request(loss_fn, seed)
-    loss_T, metrics, grad_T = _run(loss_fn, lp, datums, config)
-    ref_loss_T, ref_grad_T = _reference_run(loss_fn, lp, datums, config)
-    torch.testing.assert_close(loss_T, ref_loss_T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_T, ref_grad_T, rtol=1e-5, atol=1e-5)
-    assert metrics["loss:sum"].item() == pytest.approx(ref_loss_T.sum().item(), rel=1e-5, abs=1e-4)
+    _assert_equals_reference(loss_fn, lp, datums, config)
 
 
 @pytest.mark.parametrize(("loss_fn", "config"), [c for c in CASES if c[0] in RL_LOSSES])
@@ -206,10 +235,7 @@ def test_ratios_half_one_and_five_cross_both_clip_edges_with_either_advantage_si
         datums.append(inputs)
         lps.append(lp_N)
     lp = torch.tensor(np.concatenate(lps))
-    loss_T, _, grad_T = _run(loss_fn, lp, datums, config)
-    ref_loss_T, ref_grad_T = _reference_run(loss_fn, lp, datums, config)
-    torch.testing.assert_close(loss_T, ref_loss_T, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad_T, ref_grad_T, rtol=1e-5, atol=1e-5)
+    _assert_equals_reference(loss_fn, lp, datums, config)
 
 
 @pytest.mark.parametrize(
@@ -227,8 +253,9 @@ def test_ppo_gradient_vanishes_exactly_where_the_clip_binds(
     }
     loss_T, metrics, grad_T = _run("ppo", lp, [inputs])
     clipped_ratio = min(max(ratio, 0.8), 1.2)
-    assert loss_T.item() == pytest.approx(-min(ratio * advantage, clipped_ratio * advantage), rel=1e-6)
-    assert grad_T.item() == (pytest.approx(-ratio * advantage, rel=1e-6) if has_gradient else 0.0)
+    tolerance = {"rel": FORMULA_TOLERANCE, "abs": FORMULA_TOLERANCE * TERM_SCALE}
+    assert loss_T.item() == pytest.approx(-min(ratio * advantage, clipped_ratio * advantage), **tolerance)
+    assert grad_T.item() == (pytest.approx(-ratio * advantage, **tolerance) if has_gradient else 0.0)
     assert metrics["clip_fraction:mean"].item() == (0.0 if ratio == 1.0 else 1.0)
 
 
@@ -262,15 +289,18 @@ def test_a_zero_mask_datum_adds_exactly_zero_loss_and_gradient(loss_fn: str) -> 
     lp, datums = _random_request(loss_fn, 5)
     n_first = len(datums[0]["target_tokens"])
     alone_T, _, alone_grad_T = _run(loss_fn, lp[:n_first], datums[:1])
+    exact_T, _, exact_grad_T = _run(loss_fn, lp[:n_first].double(), datums[:1])
     zeros = [_zero_datum(loss_fn, 6)] + ([_overflowing_datum(4)] if loss_fn in RL_LOSSES else [])
     n_zero = sum(len(d["target_tokens"]) for d in zeros)
     lp_zero = torch.cat([lp[:n_first], -torch.rand(n_zero) * 3])
     loss_T, metrics, grad_T = _run(loss_fn, lp_zero, [datums[0], *zeros])
     assert torch.equal(loss_T[n_first:], torch.zeros(n_zero))
     assert torch.equal(grad_T[n_first:], torch.zeros(n_zero))
-    torch.testing.assert_close(loss_T[:n_first], alone_T, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(grad_T[:n_first], alone_grad_T, rtol=1e-6, atol=1e-7)
-    assert metrics["loss:sum"].item() == pytest.approx(alone_T.sum().item(), rel=1e-6, abs=1e-6)
+    assert_within_rounding(loss_T[:n_first], alone_T, exact_T, "loss")
+    assert_within_rounding(grad_T[:n_first], alone_grad_T, exact_grad_T, "grad")
+    assert_at_most(
+        abs(metrics["loss:sum"].item() - alone_T.sum().item()), sums_bound(loss_T, alone_T), "loss:sum"
+    )
 
 
 @pytest.mark.parametrize("loss_fn", list(LOSSES))
@@ -280,13 +310,14 @@ def test_per_datum_elementwise_losses_sum_to_the_loss_of_that_datum_sent_alone(l
     start = 0
     for inputs in datums:
         n = len(inputs["target_tokens"])
-        _, alone_metrics, alone_grad_T = _run(loss_fn, lp[start : start + n], [inputs])
-        assert loss_T[start : start + n].sum().item() == pytest.approx(
-            alone_metrics["loss:sum"].item(), rel=1e-5, abs=1e-6
-        )
-        torch.testing.assert_close(grad_T[start : start + n], alone_grad_T, rtol=1e-6, atol=1e-7)
+        alone_T, alone_metrics, alone_grad_T = _run(loss_fn, lp[start : start + n], [inputs])
+        _, _, exact_grad_T = _run(loss_fn, lp[start : start + n].double(), [inputs])
+        error = abs(loss_T[start : start + n].sum().item() - alone_metrics["loss:sum"].item())
+        assert_at_most(error, sums_bound(loss_T[start : start + n], alone_T), "datum loss sum")
+        assert_within_rounding(grad_T[start : start + n], alone_grad_T, exact_grad_T, "grad")
         start += n
-    assert metrics["loss:sum"].item() == pytest.approx(loss_T.sum().item(), rel=1e-6)
+    error = abs(metrics["loss:sum"].item() - loss_T.sum().item())
+    assert_at_most(error, sums_bound(loss_T, loss_T), "loss:sum")
 
 
 def test_cross_entropy_takes_top_k_targets_and_sums_over_k() -> None:
@@ -294,8 +325,11 @@ def test_cross_entropy_takes_top_k_targets_and_sums_over_k() -> None:
     targets, weights = rng.integers(0, VOCAB, (5, 3)), rng.normal(size=(5, 3)).astype(np.float32)
     lp = -torch.rand(5, 3) * 4
     loss_T, _, grad_T = _run("cross_entropy", lp, [{"target_tokens": targets, "weights": weights}])
-    torch.testing.assert_close(loss_T, -(torch.tensor(weights) * lp).sum(-1))
-    torch.testing.assert_close(grad_T, -torch.tensor(weights))
+    want, exact = (
+        -(torch.tensor(weights).to(dtype) * lp.to(dtype)).sum(-1) for dtype in (lp.dtype, torch.float64)
+    )
+    assert_within_rounding(loss_T, want, exact, "loss")
+    assert torch.equal(grad_T, -torch.tensor(weights))  # ∂/∂lp of a weighted sum: -w, no rounding
 
 
 def test_cross_entropy_weights_default_to_ones() -> None:
@@ -318,8 +352,8 @@ def test_per_token_clip_thresholds_override_the_config() -> None:
         "ppo", torch.tensor(lp_N), [inputs], {"clip_low_threshold": 0.5, "clip_high_threshold": 1.7}
     )
     by_token = _run("ppo", torch.tensor(lp_N), [per_token])
-    torch.testing.assert_close(by_token[0], by_config[0])
-    torch.testing.assert_close(by_token[2], by_config[2])
+    assert torch.equal(by_token[0], by_config[0])  # the same thresholds, the same ops: the same bits
+    assert torch.equal(by_token[2], by_config[2])
 
 
 def test_gspo_sequence_ratio_mask_defaults_to_the_rl_mask() -> None:
@@ -329,8 +363,8 @@ def test_gspo_sequence_ratio_mask_defaults_to_the_rl_mask() -> None:
     explicit = {**inputs, "sequence_ratio_mask": np.array([0, 0, 0, 1, 1, 1, 1, 1, 1], np.float32)}
     implicit_loss_T, _, implicit_grad_T = _run("gspo", torch.tensor(lp_N), [inputs])
     explicit_loss_T, _, explicit_grad_T = _run("gspo", torch.tensor(lp_N), [explicit])
-    torch.testing.assert_close(implicit_loss_T, explicit_loss_T)
-    torch.testing.assert_close(implicit_grad_T, explicit_grad_T)
+    assert torch.equal(implicit_loss_T, explicit_loss_T)  # the same mask, the same ops: the same bits
+    assert torch.equal(implicit_grad_T, explicit_grad_T)
 
 
 def test_forward_without_grad_gives_the_same_loss_and_metrics() -> None:

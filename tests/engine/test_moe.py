@@ -26,6 +26,8 @@ from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 from loraplex.model.peft_format import to_peft
 from tests.engine.conftest import randomize_lora_b
+from tests.model.float64 import float64_copy, float64_experts
+from tests.model.rounding import assert_within_rounding, rounding_bound
 from tests.model.test_decoder_parity import save_random_hf_model
 from tests.model.test_moe import MOE_SHAPES, moe_config
 
@@ -51,8 +53,7 @@ def decoder(moe_dir: Path) -> Decoder:
     return load_decoder(moe_dir)
 
 
-@pytest.fixture
-def pool(decoder: Decoder) -> SlotPool:
+def slots_of(decoder: Decoder) -> SlotPool:
     """The slots of CONFIGS, with random non-zero B (fresh slots' B is zero: no effect to compare)."""
     pool = SlotPool(decoder, max_slots=4, max_rank=8)
     generator = torch.Generator().manual_seed(0)
@@ -60,6 +61,18 @@ def pool(decoder: Decoder) -> SlotPool:
         assert pool.create(config) == slot
         randomize_lora_b(pool.get(slot).weights, 0.05, generator)
     return pool
+
+
+@pytest.fixture
+def pool(decoder: Decoder) -> SlotPool:
+    return slots_of(decoder)
+
+
+@pytest.fixture
+def exact(moe_dir: Path) -> tuple[Decoder, SlotPool]:
+    """The decoder in float64 with the same slots (their A and B fp32, as the pool keeps them)."""
+    decoder = load_decoder(moe_dir, "cpu", torch.float64)
+    return decoder, slots_of(decoder)
 
 
 def packed_logits(decoder: Decoder, tokens: torch.Tensor) -> torch.Tensor:
@@ -119,51 +132,63 @@ def test_snapshot_names_experts_as_peft_target_parameters(pool: SlotPool, tmp_pa
 
 
 def test_peft_export_gives_each_sequence_its_adapters_logits(
-    moe_dir: Path, decoder: Decoder, pool: SlotPool, tmp_path: Path
+    moe_dir: Path, decoder: Decoder, pool: SlotPool, exact: tuple[Decoder, SlotPool], tmp_path: Path
 ) -> None:
     model = peft_model_of(moe_dir, pool, tmp_path)
+    twin = float64_copy(model)
     tokens = torch.randint(0, MOE_SHAPES["vocab_size"], (sum(LENGTHS),))
-    with torch.no_grad():
-        ours = packed_logits(decoder, tokens)
-        for (slot, _), seq, ours_seq in zip(
-            SEQUENCES, tokens.split(LENGTHS), ours.split(LENGTHS), strict=True
-        ):
-            expected = peft_logits(model, slot, seq)
-            assert (ours_seq - expected).abs().max() < 1e-4
-            if slot is not None:  # the adapter matters, so the comparison means something
-                assert (expected - peft_logits(model, None, seq)).abs().max() > 1e-2
+    with torch.no_grad(), float64_experts():
+        ours = packed_logits(decoder, tokens).split(LENGTHS)
+        ours_exact = packed_logits(exact[0], tokens).split(LENGTHS)
+        for i, ((slot, _), seq) in enumerate(zip(SEQUENCES, tokens.split(LENGTHS), strict=True)):
+            expected, peft_exact = peft_logits(model, slot, seq), peft_logits(twin, slot, seq)
+            assert_within_rounding(ours[i], expected, peft_exact, f"sequence {i}", got_exact=ours_exact[i])
+            if (
+                slot is not None
+            ):  # the adapter moves the logits far past rounding: the comparison means something
+                change = float((expected - peft_logits(model, None, seq)).norm())
+                assert change > 1000 * rounding_bound(expected, peft_exact)
 
 
 def test_slot_gradients_equal_peft_gradients_on_that_slots_sequences(
-    moe_dir: Path, decoder: Decoder, pool: SlotPool, tmp_path: Path
+    moe_dir: Path, decoder: Decoder, pool: SlotPool, exact: tuple[Decoder, SlotPool], tmp_path: Path
 ) -> None:
     model = peft_model_of(moe_dir, pool, tmp_path)
+    twin = float64_copy(model)
     tokens = torch.randint(0, MOE_SHAPES["vocab_size"], (sum(LENGTHS),))
     loss_weights = torch.randn(sum(LENGTHS), MOE_SHAPES["vocab_size"])
-    (loss_weights * packed_logits(decoder, tokens)).sum().backward()
+    with float64_experts():
+        for d in (decoder, exact[0]):
+            (loss_weights * packed_logits(d, tokens)).sum().backward()
     for slot, config in CONFIGS.items():
-        record = pool.get(slot)
-        ours, _ = to_peft({name: t.grad for name, t in record.weights.items()}, config.rank, config.alpha)
-        # Our gate and up have no counterpart of the off-diagonal blocks of PEFT's fused gate_up B.
-        support, _ = to_peft({n: torch.ones_like(t) for n, t in record.weights.items()}, config.rank, 1.0)
-        model.zero_grad(set_to_none=True)
-        reference = sum(
-            (w * peft_logits(model, seq_slot, seq)).sum()
-            for (seq_slot, _), seq, w in zip(
-                SEQUENCES, tokens.split(LENGTHS), loss_weights.split(LENGTHS), strict=True
-            )
-            if seq_slot == slot
+        ours, ours_exact = (
+            to_peft({name: t.grad for name, t in p.get(slot).weights.items()}, config.rank, config.alpha)[0]
+            for p in (pool, exact[1])
         )
-        reference.backward()
-        expected = {
-            name.removeprefix(PEFT_PREFIX).replace(f".s{slot}.", "."): p.grad
-            for name, p in model.named_parameters()
-            if f".s{slot}." in name
-        }
+        # Our gate and up have no counterpart of the off-diagonal blocks of PEFT's fused gate_up B.
+        weights = pool.get(slot).weights
+        support, _ = to_peft({n: torch.ones_like(t) for n, t in weights.items()}, config.rank, 1.0)
+        expected: dict[str, torch.Tensor] = {}
+        peft_exact: dict[str, torch.Tensor] = {}
+        for peft_model, grads in ((model, expected), (twin, peft_exact)):
+            peft_model.zero_grad(set_to_none=True)
+            reference = sum(
+                (w * peft_logits(peft_model, seq_slot, seq)).sum()
+                for (seq_slot, _), seq, w in zip(
+                    SEQUENCES, tokens.split(LENGTHS), loss_weights.split(LENGTHS), strict=True
+                )
+                if seq_slot == slot
+            )
+            reference.backward()
+            for name, p in peft_model.named_parameters():
+                if f".s{slot}." in name:
+                    grads[name.removeprefix(PEFT_PREFIX).replace(f".s{slot}.", ".")] = p.grad
         assert expected.keys() == ours.keys()
         for key, grad in ours.items():
-            masked = expected[key] * (support[key] != 0)
-            assert (grad - masked).abs().max() <= 1e-4 * masked.abs().max(), key
+            masked, masked_exact = (g[key] * (support[key] != 0) for g in (expected, peft_exact))
+            assert_within_rounding(
+                grad, masked, masked_exact, f"slot {slot} {key}", got_exact=ours_exact[key]
+            )
             assert grad.abs().max() > 0, key
 
 

@@ -29,6 +29,7 @@ from loraplex.errors import NotFoundError, UserError
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.packing import PackedSequences
 from tests.engine.conftest import randomize_lora_b
+from tests.model.rounding import U, assert_within_rounding
 from tests.model.test_decoder_parity import save_random_hf_model
 
 EOS = 258  # the tiny model's <|im_end|>
@@ -77,6 +78,25 @@ def train(engine: LocalEngine, slot: int, pattern: list[int], steps: int) -> Non
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> LocalEngine:
     return build_local_engine("tiny", tmp_path_factory.mktemp("data"), "cpu", 4, 8, None)
+
+
+def float64_twin(engine: LocalEngine) -> LocalEngine:
+    """The engine's model in float64 behind its own sampler (logprobs still normalised in fp32, as the
+    sampler does): what a comparison's expected side computes, exact to fp32 rounding."""
+    decoder = load_decoder(Path(engine.info.tokenizer_dir), "cpu", torch.float64)
+    return LocalEngine(decoder, engine.info, engine.max_slots)
+
+
+@pytest.fixture(scope="module")
+def twin(engine: LocalEngine) -> LocalEngine:
+    return float64_twin(engine)
+
+
+def same_tokens(results: Iterable[SampleResult]) -> list[list[int]]:
+    """Each result's sequences' tokens, asserted equal across results (a twin drew what the engine drew)."""
+    tokens = [[s.tokens.tolist() for s in result.sequences] for result in results]
+    assert all(t == tokens[0] for t in tokens), tokens
+    return tokens[0]
 
 
 @pytest.fixture(scope="module")
@@ -152,26 +172,27 @@ def test_greedy_equals_transformers_generate_for_a_peft_adapter(random_qwen3, tm
 # ---- logprobs
 
 
-def test_sampled_logprobs_at_temperature_one_equal_compute_logprobs(engine, snapshots) -> None:
+def test_sampled_logprobs_at_temperature_one_equal_compute_logprobs(engine, twin, snapshots) -> None:
     for snapshot in (None, snapshots["xyz@15"]):
         prompt = tokens_of(b"xyz")
         params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, stop=())
         sampled = sample_one(engine, SampleRequest(prompt, params, snapshot=snapshot)).sequences[0]
         # compute_logprobs, exactly as the SDK sends it.
-        scored = sample_one(
-            engine,
-            SampleRequest(
-                np.concatenate([prompt, sampled.tokens]),
-                SamplingParams(max_tokens=1, temperature=1.0),
-                prompt_logprobs=True,
-                snapshot=snapshot,
-            ),
+        scoring = SampleRequest(
+            np.concatenate([prompt, sampled.tokens]),
+            SamplingParams(max_tokens=1, temperature=1.0),
+            prompt_logprobs=True,
+            snapshot=snapshot,
         )
+        scored, exact = sample_one(engine, scoring), sample_one(twin, scoring)
         assert math.isnan(scored.prompt_logprobs[0])
-        np.testing.assert_allclose(scored.prompt_logprobs[len(prompt) :], sampled.logprobs, rtol=0, atol=1e-4)
+        n = len(prompt)
+        assert_within_rounding(
+            sampled.logprobs, scored.prompt_logprobs[n:], exact.prompt_logprobs[n:], "logprobs"
+        )
 
 
-def test_prompt_logprobs_equal_the_training_forward_and_topk_is_the_full_distribution(engine) -> None:
+def test_prompt_logprobs_equal_the_training_forward_and_topk_is_the_full_distribution(engine, twin) -> None:
     prompt = tokens_of(b"the quick brown fox")
     engine.sampler.chunk_size = 4  # several chunks over one prompt
     try:
@@ -181,24 +202,34 @@ def test_prompt_logprobs_equal_the_training_forward_and_topk_is_the_full_distrib
     finally:
         engine.sampler.chunk_size = 1024
     datum = DatumInput(prompt[:-1], {"target_tokens": prompt[1:]})
-    forward = engine.run_pass([PassRequest(None, "cross_entropy", {}, [datum], forward_only=True)])[0]
-    np.testing.assert_allclose(result.prompt_logprobs[1:], forward.outputs[0]["logprobs"], rtol=0, atol=1e-5)
+    forward, exact = (
+        e.run_pass([PassRequest(None, "cross_entropy", {}, [datum], forward_only=True)])[0]
+        for e in (engine, twin)
+    )
+    want, want_exact = (r.outputs[0]["logprobs"] for r in (forward, exact))
+    assert_within_rounding(result.prompt_logprobs[1:], want, want_exact, "prompt logprobs")
 
     with torch.no_grad():
         packing = PackedSequences.from_lengths([len(prompt)])
-        full = torch.log_softmax(engine.decoder.logits(torch.from_numpy(prompt), packing), -1)
+        full, full_exact = (
+            torch.log_softmax(e.decoder.logits(torch.from_numpy(prompt), packing), -1) for e in (engine, twin)
+        )
     values, ids = full[:-1].topk(3, dim=-1)
     assert (result.topk_prompt_ids[0] == -1).all() and np.isnan(result.topk_prompt_logprobs[0]).all()
     assert result.topk_prompt_ids[1:].tolist() == ids.tolist()
-    np.testing.assert_allclose(result.topk_prompt_logprobs[1:], values.numpy(), rtol=0, atol=1e-5)
+    exact_values = full_exact[:-1].gather(-1, ids)
+    assert_within_rounding(result.topk_prompt_logprobs[1:], values, exact_values, "top-k logprobs")
 
 
-def test_prompt_logprobs_last_n_leaves_earlier_positions_nan(engine) -> None:
+def test_prompt_logprobs_last_n_leaves_earlier_positions_nan(engine, twin) -> None:
     prompt = tokens_of(b"abcdefgh")
-    everything = sample_one(engine, SampleRequest(prompt, GREEDY, prompt_logprobs=True))
+    request = SampleRequest(prompt, GREEDY, prompt_logprobs=True)
+    everything, exact = sample_one(engine, request), sample_one(twin, request)
     last_3 = sample_one(engine, SampleRequest(prompt, GREEDY, prompt_logprobs=True, prompt_logprobs_last_n=3))
     assert np.isnan(last_3.prompt_logprobs[:5]).all()
-    np.testing.assert_allclose(last_3.prompt_logprobs[5:], everything.prompt_logprobs[5:], rtol=0, atol=1e-6)
+    assert_within_rounding(
+        last_3.prompt_logprobs[5:], everything.prompt_logprobs[5:], exact.prompt_logprobs[5:], "logprobs"
+    )
 
 
 # ---- seeds
@@ -218,14 +249,17 @@ def test_same_seed_same_tokens_different_seeds_and_samples_differ(engine) -> Non
     assert len({tuple(tokens) for tokens in first}) == 3
 
 
-def test_samples_sharing_one_prefill_decode_like_a_request_of_one(engine, snapshots) -> None:
-    single = sample_one(engine, SampleRequest(tokens_of(b"yz"), GREEDY, snapshot=snapshots["ab@6"]))
+def test_samples_sharing_one_prefill_decode_like_a_request_of_one(engine, twin, snapshots) -> None:
+    request = SampleRequest(tokens_of(b"yz"), GREEDY, snapshot=snapshots["ab@6"])
+    single, exact = sample_one(engine, request), sample_one(twin, request)
+    same_tokens([single, exact])
     shared = sample_one(
         engine, SampleRequest(tokens_of(b"yz"), GREEDY, num_samples=3, snapshot=snapshots["ab@6"])
     )
     for sequence in shared.sequences:
         assert sequence.tokens.tolist() == single.sequences[0].tokens.tolist()
-        np.testing.assert_allclose(sequence.logprobs, single.sequences[0].logprobs, rtol=0, atol=1e-5)
+        want, want_exact = single.sequences[0].logprobs, exact.sequences[0].logprobs
+        assert_within_rounding(sequence.logprobs, want, want_exact, "logprobs")
 
 
 # ---- stops
@@ -292,7 +326,7 @@ def test_eos_stops_unless_the_stop_list_is_empty(engine, snapshots, stop, expect
 
 
 def test_a_mixed_batch_of_four_snapshots_and_base_gives_each_request_its_tokens_alone(
-    engine, snapshots
+    engine, twin, snapshots
 ) -> None:
     requests = {}
     for i, snapshot in enumerate([None, *snapshots.values()]):
@@ -301,12 +335,17 @@ def test_a_mixed_batch_of_four_snapshots_and_base_gives_each_request_its_tokens_
         seeded = SamplingParams(max_tokens=9 + i, temperature=1.0, seed=i, stop=None)
         requests[f"seeded{i}"] = SampleRequest(prompt, seeded, num_samples=2, snapshot=snapshot)
     alone = {key: sample_one(engine, request) for key, request in requests.items()}
+    exact = {key: sample_one(twin, request) for key, request in requests.items()}
+    for key in alone:
+        same_tokens([alone[key], exact[key]])
     for join_every in (0, 2):  # all at once, then joining while others decode
         together = sample_all(engine, requests, join_every)
         for key, result in alone.items():
-            for ours, theirs in zip(together[key].sequences, result.sequences, strict=True):
+            for ours, theirs, exactly in zip(
+                together[key].sequences, result.sequences, exact[key].sequences, strict=True
+            ):
                 assert ours.tokens.tolist() == theirs.tokens.tolist(), key
-                np.testing.assert_allclose(ours.logprobs, theirs.logprobs, rtol=0, atol=1e-4)
+                assert_within_rounding(ours.logprobs, theirs.logprobs, exactly.logprobs, key)
     assert len({tuple(alone[f"greedy{i}"].sequences[0].tokens.tolist()) for i in range(5)}) == 5
 
 
@@ -436,22 +475,43 @@ def test_draw_tokens_equals_the_per_row_reference() -> None:
         SamplingParams(temperature=1.0, top_k=10, top_p=0.8),
         SamplingParams(temperature=2.0, top_k=1),
     ]
+    got, want, exact = [], [], []
     for _ in range(20):
         uniforms = torch.rand(6, generator=generator, dtype=torch.float64)
         tokens, logprobs = draw_tokens(logits, params, uniforms)
         for b in range(6):
             token, logprob = draw_token_reference(logits[b], params[b], float(uniforms[b]))
             assert int(tokens[b]) == token
-            assert abs(float(logprobs[b]) - logprob) < 1e-5
+            got.append(float(logprobs[b]))
+            want.append(logprob)
+            exact.append(draw_logprob_exact(logits[b], params[b], token))
+    assert_within_rounding(np.array(got), np.array(want), np.array(exact), "logprobs")
+
+
+def draw_logprob_exact(logits_V: torch.Tensor, params: SamplingParams, token: int) -> float:
+    """The logprob of `token` under the distribution `params` draws from (sampling.py's docstring), in
+    float64: tempered log_softmax; the top_k likeliest; the shortest prefix of them, likeliest first, whose
+    renormalised mass reaches top_p; renormalised over what is kept. Greedy: the temperature-1 logprob."""
+    lp_V = torch.log_softmax(logits_V.double() / (params.temperature or 1.0), -1)
+    if params.temperature == 0:
+        return float(lp_V[token])
+    order = torch.argsort(-lp_V, stable=True)[: params.top_k if params.top_k > 0 else len(lp_V)]
+    mass = lp_V[order].exp() / lp_V[order].exp().sum()
+    kept = order[: int((mass.cumsum(0) < params.top_p).sum()) + 1]
+    assert token in kept.tolist()
+    return float(torch.log_softmax(lp_V[kept], -1)[kept.tolist().index(token)])
 
 
 def test_truncated_draws_report_the_renormalised_probability() -> None:
     """Golden: probabilities 0.5, 0.3, 0.15, 0.05; top_p 0.7 keeps the first two, renormalised 5/8, 3/8."""
     logits = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.15), math.log(0.05)]])
+    # fp32 logits (each rounded, U), a log_softmax over four and one over the kept (a few exp, log and
+    # sums each, every one rounding by U or an ulp): under 16 roundings of the logits' scale, so 32U of it.
+    tolerance = 32 * U * float(logits.abs().max())
     params = [SamplingParams(top_p=0.7)]
     token, logprob = draw_tokens(logits, params, torch.tensor([0.7]))
-    assert int(token) == 1 and abs(float(logprob) - math.log(3 / 8)) < 1e-6
+    assert int(token) == 1 and abs(float(logprob) - math.log(3 / 8)) < tolerance
     token, logprob = draw_tokens(logits, [SamplingParams(top_k=3)], torch.tensor([0.99]))
-    assert int(token) == 2 and abs(float(logprob) - math.log(0.15 / 0.95)) < 1e-6
+    assert int(token) == 2 and abs(float(logprob) - math.log(0.15 / 0.95)) < tolerance
     token, logprob = draw_tokens(logits, [SamplingParams(temperature=0.0)], torch.tensor([0.99]))
-    assert int(token) == 0 and abs(float(logprob) - math.log(0.5)) < 1e-6
+    assert int(token) == 0 and abs(float(logprob) - math.log(0.5)) < tolerance

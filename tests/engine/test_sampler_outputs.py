@@ -21,9 +21,9 @@ from loraplex.errors import UserError
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 from tests.engine.conftest import randomize_lora_b
-from tests.engine.test_sampler import sample_all, sample_one, tokens_of
+from tests.engine.test_sampler import float64_twin, same_tokens, sample_all, sample_one, tokens_of
+from tests.model.rounding import assert_within_rounding
 
-TOLERANCE = 1e-5
 PROMPT = tokens_of(b"the cat sat")
 
 
@@ -38,6 +38,17 @@ def adapter(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> tu
     return slot, snapshot
 
 
+@pytest.fixture(scope="module")
+def twin(engine: LocalEngine, adapter: tuple[int, Path]) -> LocalEngine:
+    """The engine's model in float64 with the adapter's slot (the same id and weights): the exact side of
+    each comparison (tests/model/rounding.py)."""
+    slot, _ = adapter
+    twin = float64_twin(engine)
+    assert twin.create_slot(engine.pool.get(slot).config) == slot
+    twin.pool.get(slot).assign(engine.pool.get(slot).weights, None)
+    return twin
+
+
 @pytest.fixture(params=["base", "adapter"])
 def model(request: pytest.FixtureRequest, adapter) -> tuple[int | None, Path | None]:
     """(slot for the reference, snapshot for the sampler) of the base model or of the adapter."""
@@ -45,11 +56,12 @@ def model(request: pytest.FixtureRequest, adapter) -> tuple[int | None, Path | N
 
 
 def reference_logits(engine: LocalEngine, tokens: np.ndarray, slot: int | None) -> torch.Tensor:
-    """(T, V) fp32 logits of a full forward: row t predicts tokens[t + 1]."""
+    """(T, V) logits of a full forward (fp32, float64 on the twin): row t predicts tokens[t + 1]."""
     with torch.no_grad():
         routing = LoRARouting.from_sequences([len(tokens)], [slot])
         packing = PackedSequences.from_lengths([len(tokens)])
-        return engine.decoder.logits(torch.from_numpy(tokens), packing, routing).float()
+        logits = engine.decoder.logits(torch.from_numpy(tokens), packing, routing)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
 def truncated_logprobs(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -77,7 +89,7 @@ def truncated_logprobs(logits_V: torch.Tensor, params: SamplingParams) -> torch.
     ids=["temperature-1", "tempered-top_k-3", "greedy"],
 )
 def test_topk_sample_logprobs_are_the_top_k_of_the_distribution_each_token_was_drawn_from(
-    engine, model, params: SamplingParams
+    engine, twin, model, params: SamplingParams
 ) -> None:
     slot, snapshot = model
     k = 5
@@ -85,18 +97,25 @@ def test_topk_sample_logprobs_are_the_top_k_of_the_distribution_each_token_was_d
     for sequence in sample_one(engine, request).sequences:
         n = len(sequence.tokens)
         assert sequence.topk_ids.shape == sequence.topk_logprobs.shape == (n, k)
-        logits = reference_logits(engine, np.concatenate([PROMPT, sequence.tokens]), slot)
+        tokens = np.concatenate([PROMPT, sequence.tokens])
+        logits, exact_logits = (reference_logits(e, tokens, slot) for e in (engine, twin))
+        got, want, exact = [], [], []
         for i in range(n):
-            lp_V = truncated_logprobs(logits[len(PROMPT) - 1 + i], params)
+            row = len(PROMPT) - 1 + i
+            lp_V, exact_lp_V = (truncated_logprobs(x[row], params) for x in (logits, exact_logits))
             values, ids = lp_V.topk(k)
             kept = values > float("-inf")  # top_k 3: two cells have no id
             assert sequence.topk_ids[i].tolist() == torch.where(kept, ids, -1).tolist()
-            np.testing.assert_allclose(sequence.topk_logprobs[i][kept], values[kept], rtol=0, atol=TOLERANCE)
+            got.append(sequence.topk_logprobs[i][kept.numpy()])
+            want.append(values[kept].numpy())
+            exact.append(exact_lp_V[ids[kept]].numpy())
             assert np.isnan(sequence.topk_logprobs[i][~kept.numpy()]).all()
-            # The sampled token's logprob is its own entry, when it is among the k.
+            # The sampled token's logprob is its own entry, when it is among the k: the same row of the
+            # same distribution, through the same ops.
             where = np.flatnonzero(sequence.topk_ids[i] == sequence.tokens[i])
             if len(where):
-                assert abs(sequence.topk_logprobs[i][where[0]] - sequence.logprobs[i]) < TOLERANCE
+                assert sequence.topk_logprobs[i][where[0]] == sequence.logprobs[i]
+        assert_within_rounding(*(np.concatenate(x) for x in (got, want, exact)), "top-k logprobs")
         if params.temperature == 0:
             assert sequence.topk_ids[:, 0].tolist() == sequence.tokens.tolist()
 
@@ -104,7 +123,9 @@ def test_topk_sample_logprobs_are_the_top_k_of_the_distribution_each_token_was_d
 # ---- target_prompt_logprobs
 
 
-def test_target_prompt_logprobs_are_the_temperature_one_logprobs_of_the_named_ids(engine, model) -> None:
+def test_target_prompt_logprobs_are_the_temperature_one_logprobs_of_the_named_ids(
+    engine, twin, model
+) -> None:
     slot, snapshot = model
     rows = len(PROMPT) - 1
     ids = np.full((rows, 3), -1, np.int64)
@@ -114,14 +135,15 @@ def test_target_prompt_logprobs_are_the_temperature_one_logprobs_of_the_named_id
     params = SamplingParams(max_tokens=2, temperature=0.5, seed=1)  # the temperature does not apply
     request = SampleRequest(PROMPT, params, prompt_logprobs=True, target_prompt_ids=ids, snapshot=snapshot)
     result = sample_one(engine, request)
-    lp = torch.log_softmax(reference_logits(engine, PROMPT, slot), -1)
+    lp, exact_lp = (torch.log_softmax(reference_logits(e, PROMPT, slot), -1) for e in (engine, twin))
     named = ids >= 0
     assert result.target_prompt_logprobs.shape == (rows, 3)
     assert np.isnan(result.target_prompt_logprobs[~named]).all()
-    for r, j in zip(*np.nonzero(named), strict=True):
-        assert abs(result.target_prompt_logprobs[r, j] - float(lp[r, ids[r, j]])) < TOLERANCE
-    # Naming the prompt's own token gives its prompt logprob.
-    assert abs(result.target_prompt_logprobs[2, 0] - result.prompt_logprobs[3]) < TOLERANCE
+    r, j = np.nonzero(named)
+    want, exact = (x[r, ids[r, j]] for x in (lp, exact_lp))
+    assert_within_rounding(result.target_prompt_logprobs[r, j], want, exact, "target logprobs")
+    # Naming the prompt's own token gives its prompt logprob: the same entry of the same chunk's lp.
+    assert result.target_prompt_logprobs[2, 0] == result.prompt_logprobs[3]
     assert not result.target_prompt_is_sparse
 
 
@@ -138,22 +160,26 @@ def alt_uniforms(seed: int, num_samples: int, shape: tuple[int, int]) -> torch.T
 
 @pytest.mark.parametrize("temperature", [0.8, 0.0])
 def test_prompt_alt_tokens_are_the_seeded_draws_at_the_requests_temperature(
-    engine, model, temperature
+    engine, twin, model, temperature
 ) -> None:
     slot, snapshot = model
     k, rows = 4, len(PROMPT) - 1
     params = SamplingParams(max_tokens=2, temperature=temperature, top_k=2, seed=21)  # top_k: not for draws
     result = sample_one(engine, SampleRequest(PROMPT, params, 2, prompt_alt_tokens_k=k, snapshot=snapshot))
     assert result.prompt_alt_ids.shape == result.prompt_alt_logprobs.shape == (rows, k)
-    logits = reference_logits(engine, PROMPT, slot)
+    logits, exact_logits = (reference_logits(e, PROMPT, slot) for e in (engine, twin))
     uniforms = alt_uniforms(21, 2, (rows, k))
+    want, exact = np.zeros((rows, k)), np.zeros((rows, k))
     for r in range(rows):
+        # Draws at the temperature alone; greedy ones report the temperature-1 logprob.
+        exact_lp_V = torch.log_softmax(exact_logits[r] / (temperature or 1.0), -1)
         for a in range(k):
-            token, logprob = draw_token_reference(
+            token, want[r, a] = draw_token_reference(
                 logits[r], SamplingParams(temperature=temperature), float(uniforms[r, a])
             )
             assert result.prompt_alt_ids[r, a] == token
-            assert abs(result.prompt_alt_logprobs[r, a] - logprob) < TOLERANCE
+            exact[r, a] = float(exact_lp_V[token])
+    assert_within_rounding(result.prompt_alt_logprobs, want, exact, "alternative logprobs")
     if temperature == 0:
         assert (result.prompt_alt_ids == logits[:-1].argmax(-1).numpy()[:, None]).all()
     else:
@@ -171,7 +197,7 @@ def test_asking_for_prompt_draws_leaves_the_samples_as_they_were(engine) -> None
 
 
 def test_a_request_with_every_output_and_one_without_share_a_batch_and_get_what_each_asked(
-    engine, adapter
+    engine, twin, adapter
 ) -> None:
     _, snapshot = adapter
     params = SamplingParams(max_tokens=5, temperature=1.0, seed=9, stop=())
@@ -188,19 +214,26 @@ def test_a_request_with_every_output_and_one_without_share_a_batch_and_get_what_
     )
     plain = SampleRequest(tokens_of(b"a dog"), params, num_samples=2)
     alone = {"asking": sample_one(engine, asking), "plain": sample_one(engine, plain)}
+    exact = {"asking": sample_one(twin, asking), "plain": sample_one(twin, plain)}
+    for key in alone:
+        same_tokens([alone[key], exact[key]])
     together = sample_all(engine, {"asking": asking, "plain": plain}, join_every=2)  # plain joins mid-decode
     for key in alone:
-        for shared, single in zip(together[key].sequences, alone[key].sequences, strict=True):
+        for shared, single, exactly in zip(
+            together[key].sequences, alone[key].sequences, exact[key].sequences, strict=True
+        ):
             assert shared.tokens.tolist() == single.tokens.tolist()
-            np.testing.assert_allclose(shared.logprobs, single.logprobs, rtol=0, atol=TOLERANCE)
+            assert_within_rounding(shared.logprobs, single.logprobs, exactly.logprobs, f"{key} logprobs")
     asked: SampleResult = together["asking"]
-    for shared, single in zip(asked.sequences, alone["asking"].sequences, strict=True):
-        assert shared.topk_ids.tolist() == single.topk_ids.tolist()
-        np.testing.assert_allclose(shared.topk_logprobs, single.topk_logprobs, rtol=0, atol=TOLERANCE)
+    for shared, single, exactly in zip(
+        asked.sequences, alone["asking"].sequences, exact["asking"].sequences, strict=True
+    ):
+        assert shared.topk_ids.tolist() == single.topk_ids.tolist() == exactly.topk_ids.tolist()
+        assert_within_rounding(shared.topk_logprobs, single.topk_logprobs, exactly.topk_logprobs, "top-k")
     assert asked.prompt_alt_ids.tolist() == alone["asking"].prompt_alt_ids.tolist()
-    np.testing.assert_allclose(
-        asked.target_prompt_logprobs, alone["asking"].target_prompt_logprobs, rtol=0, atol=TOLERANCE
-    )
+    named = targets >= 0
+    want, want_exact = (r["asking"].target_prompt_logprobs[named] for r in (alone, exact))
+    assert_within_rounding(asked.target_prompt_logprobs[named], want, want_exact, "target logprobs")
     quiet = together["plain"]
     assert all(s.topk_ids is None and s.topk_logprobs is None for s in quiet.sequences)
     assert (quiet.target_prompt_logprobs, quiet.prompt_alt_ids, quiet.prompt_alt_logprobs) == (

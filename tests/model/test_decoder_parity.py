@@ -14,6 +14,8 @@ from loraplex.model.attention import packed_attention
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
 from loraplex.model.packing import PackedSequences
+from tests.model.float64 import float64_copy, float64_experts
+from tests.model.rounding import assert_within_rounding
 
 LENGTHS = (7, 3, 12, 7)  # distinct lengths plus a repeat, so a length group holds two sequences
 SHAPES = {
@@ -61,17 +63,31 @@ def per_sequence_hf_logits(
         return torch.cat([model(input_ids=seq[None]).logits[0] for seq in tokens.split(lengths)])
 
 
-def packed_logits(directory: Path, tokens: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        return load_decoder(directory).logits(tokens, PackedSequences.from_lengths(lengths))
+def packed_logits(
+    directory: Path, tokens: torch.Tensor, lengths: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    with torch.no_grad(), float64_experts():
+        return load_decoder(directory, "cpu", dtype).logits(tokens, PackedSequences.from_lengths(lengths))
+
+
+def assert_logits_equal_transformers(
+    directory: Path, hf_model: torch.nn.Module, tokens: torch.Tensor, lengths: tuple[int, ...]
+) -> None:
+    """Our packed logits within rounding of transformers' per sequence; each side's float64 twin measures
+    its rounding."""
+    expected = per_sequence_hf_logits(hf_model, tokens, lengths)
+    exact = per_sequence_hf_logits(float64_copy(hf_model), tokens, lengths)
+    ours, ours_exact = (
+        packed_logits(directory, tokens, lengths, dtype) for dtype in (torch.float32, torch.float64)
+    )
+    assert_within_rounding(ours, expected, exact, "logits", got_exact=ours_exact)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_logits_equal_transformers_per_sequence(family: str, tmp_path: Path) -> None:
     hf_model = save_random_hf_model(FAMILIES[family](), tmp_path)
     tokens = torch.randint(0, SHAPES["vocab_size"], (sum(LENGTHS),))
-    expected = per_sequence_hf_logits(hf_model, tokens, LENGTHS)
-    assert (packed_logits(tmp_path, tokens, LENGTHS) - expected).abs().max() < 1e-4
+    assert_logits_equal_transformers(tmp_path, hf_model, tokens, LENGTHS)
 
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
@@ -79,8 +95,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
     assert (tmp_path / "model.safetensors.index.json").is_file()
     tokens = torch.randint(0, SHAPES["vocab_size"], (sum(LENGTHS),))
-    expected = per_sequence_hf_logits(hf_model, tokens, LENGTHS)
-    assert (packed_logits(tmp_path, tokens, LENGTHS) - expected).abs().max() < 1e-4
+    assert_logits_equal_transformers(tmp_path, hf_model, tokens, LENGTHS)
 
 
 def test_tied_embeddings_share_one_tensor_and_untied_do_not(tmp_path: Path) -> None:
@@ -161,15 +176,20 @@ def test_packed_attention_equals_masked_softmax_per_sequence(lengths: tuple[int,
     """Reference: explicit causal softmax(q kᵀ/√H) v per sequence, kv heads repeated for GQA."""
     T, N, K, H = sum(lengths), 4, 2, 8
     q, k, v = torch.randn(T, N, H), torch.randn(T, K, H), torch.randn(T, K, H)
-    expected = []
-    for q_s, k_s, v_s in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-        k_s, v_s = k_s.repeat_interleave(N // K, dim=1), v_s.repeat_interleave(N // K, dim=1)
-        scores = torch.einsum("inh,jnh->nij", q_s, k_s) / H**0.5
-        future = torch.ones(len(q_s), len(q_s), dtype=torch.bool).triu(1)
-        weights = scores.masked_fill(future, float("-inf")).softmax(-1)
-        expected.append(torch.einsum("nij,jnh->inh", weights, v_s))
+
+    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = []
+        for q_s, k_s, v_s in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+            k_s, v_s = k_s.repeat_interleave(N // K, dim=1), v_s.repeat_interleave(N // K, dim=1)
+            scores = torch.einsum("inh,jnh->nij", q_s, k_s) / H**0.5
+            future = torch.ones(len(q_s), len(q_s), dtype=torch.bool).triu(1)
+            weights = scores.masked_fill(future, float("-inf")).softmax(-1)
+            out.append(torch.einsum("nij,jnh->inh", weights, v_s))
+        return torch.cat(out)
+
     out = packed_attention(q, k, v, PackedSequences.from_lengths(lengths))
-    torch.testing.assert_close(out, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    exact = reference(q.double(), k.double(), v.double())
+    assert_within_rounding(out, reference(q, k, v), exact, "attention")
 
 
 def test_positions_restart_at_zero_for_every_sequence() -> None:

@@ -12,6 +12,7 @@ from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.kv_cache import KVCache
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
+from tests.model.rounding import assert_within_rounding
 from tests.model.test_decoder_parity import save_random_hf_model
 
 SHAPES = {
@@ -27,17 +28,24 @@ SLOT = 3
 
 
 @pytest.fixture(scope="module")
-def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
-    """A random Qwen3 (GQA, q/k norm) with one LoRA slot attached to every target."""
+def decoders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Decoder, Decoder]:
+    """A random Qwen3 (GQA, q/k norm) with one LoRA slot attached to every target, and its float64 twin
+    (the same weights and slot)."""
     directory = tmp_path_factory.mktemp("qwen3")
     save_random_hf_model(Qwen3Config(**SHAPES), directory)
-    decoder = load_decoder(directory)
+    pair = load_decoder(directory), load_decoder(directory, "cpu", torch.float64)
     generator = torch.Generator().manual_seed(1)
-    for layer, _ in decoder.lora_targets().values():
+    for (layer, _), (twin_layer, _) in zip(*(d.lora_targets().values() for d in pair), strict=True):
         A = 0.1 * torch.randn(4, layer.in_features, generator=generator)
         B = 0.1 * torch.randn(layer.out_features, 4, generator=generator)
         layer.attach(SLOT, A, B, scale=2.0)
-    return decoder
+        twin_layer.attach(SLOT, A, B, scale=2.0)
+    return pair
+
+
+@pytest.fixture(scope="module")
+def decoder(decoders: tuple[Decoder, Decoder]) -> Decoder:
+    return decoders[0]
 
 
 def full_logits(decoder: Decoder, tokens: torch.Tensor, slot: int | None) -> torch.Tensor:
@@ -47,12 +55,14 @@ def full_logits(decoder: Decoder, tokens: torch.Tensor, slot: int | None) -> tor
 
 
 @torch.no_grad()
-def test_decode_logits_equal_the_packed_forward_at_every_position(decoder: Decoder) -> None:
+def test_decode_logits_equal_the_packed_forward_at_every_position(decoders: tuple[Decoder, Decoder]) -> None:
+    decoder, twin = decoders
     torch.manual_seed(0)
     lengths, prompt_lengths = (9, 14, 5, 11), (3, 6, 1, 6)  # two sequences share a prompt length
     slots = (None, SLOT, SLOT, None)
     sequences = [torch.randint(0, SHAPES["vocab_size"], (n,)) for n in lengths]
     expected = [full_logits(decoder, seq, slot) for seq, slot in zip(sequences, slots, strict=True)]
+    exact = [full_logits(twin, seq, slot) for seq, slot in zip(sequences, slots, strict=True)]
     cache = KVCache(decoder.config, "cpu", torch.float32)
     rows = [cache.allocate(n) for n in lengths]
 
@@ -61,7 +71,8 @@ def test_decode_logits_equal_the_packed_forward_at_every_position(decoder: Decod
     routing = LoRARouting.from_sequences(prompt_lengths, slots)
     hidden = decoder.forward_cached(prompts, step, routing)
     for i, logits in enumerate(decoder.lm_head(hidden, routing).split(prompt_lengths)):
-        assert (logits - expected[i][: prompt_lengths[i]]).abs().max() < 1e-4
+        p = prompt_lengths[i]
+        assert_within_rounding(logits, expected[i][:p], exact[i][:p], f"prefill {i}")
 
     positions = list(prompt_lengths)
     while active := [i for i in range(len(lengths)) if positions[i] < lengths[i]]:
@@ -72,16 +83,20 @@ def test_decode_logits_equal_the_packed_forward_at_every_position(decoder: Decod
         routing = LoRARouting.from_sequences([1] * len(active), [slots[i] for i in active])
         logits = decoder.lm_head(decoder.forward_cached(tokens, step, routing), routing)
         for b, i in enumerate(active):
-            assert (logits[b] - expected[i][positions[i]]).abs().max() < 1e-4
+            p = positions[i]
+            assert_within_rounding(logits[b], expected[i][p], exact[i][p], f"sequence {i} position {p}")
             positions[i] += 1
     assert [cache.length(row) for row in rows] == list(lengths)
 
 
 @torch.no_grad()
-def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(decoder: Decoder) -> None:
+def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(
+    decoders: tuple[Decoder, Decoder],
+) -> None:
+    decoder, twin = decoders
     torch.manual_seed(1)
     sequence = torch.randint(0, SHAPES["vocab_size"], (8,))
-    expected = full_logits(decoder, sequence, None)
+    expected, exact = full_logits(decoder, sequence, None), full_logits(twin, sequence, None)
     cache = KVCache(decoder.config, "cpu", torch.float32)
     source = cache.allocate(8)
     decoder.forward_cached(sequence[:5], cache.prefill([source], [5]))
@@ -95,7 +110,8 @@ def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(decoder: 
     for position in range(5, 8):
         step = cache.decode(rows)
         logits = decoder.lm_head(decoder.forward_cached(sequence[position].repeat(3), step))
-        assert (logits - expected[position]).abs().max() < 1e-4
+        for b in range(3):
+            assert_within_rounding(logits[b], expected[position], exact[position], f"row {b} at {position}")
 
 
 def test_rows_are_reused_lowest_first_and_storage_is_dropped_when_none_is_live(decoder: Decoder) -> None:
@@ -131,11 +147,16 @@ def test_decode_attention_equals_softmax_over_each_rows_prefix() -> None:
         visible[row, :length] = True
     visible[[1, 2], 0] = True
     q = torch.randn(len(rows), N, H)
-    expected = []
-    for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-        k = k_cache[row, :, :length].repeat_interleave(N // K, dim=0)  # (N, length, H)
-        v = v_cache[row, :, :length].repeat_interleave(N // K, dim=0)
-        weights = (torch.einsum("nh,nlh->nl", q[b], k) / H**0.5).softmax(-1)
-        expected.append(torch.einsum("nl,nlh->nh", weights, v))
+
+    def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        out = []
+        for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+            k = k_cache[row, :, :length].repeat_interleave(N // K, dim=0)  # (N, length, H)
+            v = v_cache[row, :, :length].repeat_interleave(N // K, dim=0)
+            weights = (torch.einsum("nh,nlh->nl", q[b], k) / H**0.5).softmax(-1)
+            out.append(torch.einsum("nl,nlh->nh", weights, v))
+        return torch.stack(out)
+
     out = decode_attention(q, k_cache, v_cache, torch.tensor(rows), visible)
-    torch.testing.assert_close(out, torch.stack(expected), rtol=1e-5, atol=1e-5)
+    exact = reference(q.double(), k_cache.double(), v_cache.double())
+    assert_within_rounding(out, reference(q, k_cache, v_cache), exact, "attention")

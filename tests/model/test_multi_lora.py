@@ -24,6 +24,8 @@ from loraplex.model.multi_lora import (
     init_slot_weights,
 )
 from loraplex.model.packing import PackedSequences
+from tests.model.float64 import float64_copy
+from tests.model.rounding import BF16_U, U, assert_within_rounding, rounding_bound
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -59,6 +61,22 @@ def random_slots(rank_by_slot: dict[int, int], in_features: int, out_features: i
     }
 
 
+def delta_exact(
+    y: torch.Tensor, x: torch.Tensor, routing: LoRARouting, slots: dict[int, SlotWeights]
+) -> torch.Tensor:
+    """y + scale · (x Aᵀ) Bᵀ on every routed segment, in float64 (differentiable): the exact value the
+    fused op and its per-token reference both round."""
+    rows = []
+    for segment in routing.segments:
+        part = y[segment.start : segment.end].double()
+        weights = slots.get(segment.slot) if segment.slot is not None else None
+        if weights is not None:
+            x_part = x[segment.start : segment.end].double()
+            part = part + weights.scale * (x_part @ weights.A_RI.double().T) @ weights.B_OR.double().T
+        rows.append(part)
+    return torch.cat(rows)
+
+
 LAYOUTS = {
     "one_slot_everywhere": [Segment(0, 0, 10)],
     "base_between_slots": [Segment(0, 0, 3), Segment(None, 3, 7), Segment(1, 7, 8), Segment(2, 8, 10)],
@@ -76,13 +94,12 @@ def test_fused_delta_equals_per_token_loop(rank: int, layout: str, dtype: torch.
     routing = LoRARouting(tuple(LAYOUTS[layout]))
     x, y = torch.randn(10, 12, dtype=dtype), torch.randn(10, 20, dtype=dtype)
     expected = add_lora_delta_reference(y, x, routing, slots)
-    # fp32: each delta sums rank x in_features products, partial sums up to ~10, in another order than
-    # the reference (the order MKL picks differs between CPUs), so rounding reaches a few 1e-5 absolute;
-    # bf16: assert_close's own tolerance, one ulp from the final cast.
-    atol = {torch.float32: 5e-5, torch.bfloat16: None}[dtype]
-    torch.testing.assert_close(
-        add_lora_delta(y, x, routing, slots), expected, atol=atol, rtol=atol and 1.3e-6
-    )
+    # Each delta sums rank x in_features products in another order than the reference (the order the BLAS
+    # picks differs between CPUs), in fp32, then rounds to the base dtype: within rounding of the
+    # reference, against the exact value, in that dtype's unit roundoff.
+    exact = delta_exact(y, x, routing, slots)
+    unit = {torch.float32: U, torch.bfloat16: BF16_U}[dtype]
+    assert_within_rounding(add_lora_delta(y, x, routing, slots), expected, exact, "delta", unit=unit)
 
 
 # Adjacent equal-length, equal-rank segments run as one batched matmul; the rest one by one.
@@ -115,8 +132,12 @@ def test_fused_delta_gradients_equal_the_per_token_loop(ranks: dict[int, int]) -
         (out * weight_O).sum().backward()
         return [out.detach(), leaves[0].grad, *(t.grad for pair in pairs.values() for t in pair)]
 
-    for fused, reference in zip(grads(add_lora_delta), grads(add_lora_delta_reference), strict=True):
-        torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    names = ["out", "grad x", *(f"slot {s} grad {t}" for s in slots for t in "AB")]
+    values = zip(
+        names, grads(add_lora_delta), grads(add_lora_delta_reference), grads(delta_exact), strict=True
+    )
+    for name, fused, reference, exact in values:
+        assert_within_rounding(fused, reference, exact, name)
 
 
 def test_delta_without_gradients_equals_the_differentiable_one_and_records_no_graph() -> None:
@@ -144,7 +165,9 @@ def test_delta_reaches_only_its_segment_and_keeps_the_base_dtype() -> None:
     A, B, scale = slots[0]
     assert out.dtype == torch.bfloat16
     assert torch.equal(out[[0, 1, 3]], y[[0, 1, 3]])
-    torch.testing.assert_close(out[2], (y[2].float() + scale * B @ A @ x[2].float()).bfloat16())
+    want = (y[2].float() + scale * B @ A @ x[2].float()).bfloat16()
+    exact = y[2].double() + scale * B.double() @ A.double() @ x[2].double()
+    assert_within_rounding(out[2], want, exact, "delta", unit=BF16_U)
 
 
 def test_routing_merges_neighbouring_sequences_of_a_slot_and_slices_renumbered() -> None:
@@ -168,9 +191,11 @@ def test_attach_keeps_references_and_rejects_wrong_shapes() -> None:
     A, B = torch.randn(3, 6), torch.zeros(5, 3)
     layer.attach(7, A, B, scale=2.0)
     x, routing = torch.randn(4, 6), LoRARouting((Segment(7, 0, 4),))
-    torch.testing.assert_close(layer(x, routing), layer(x))
+    assert torch.equal(layer(x, routing), layer(x))  # B = 0: y + 0, exactly
     B.fill_(1.0)  # the slot pool updates its tensors in place; the layer must see it
-    torch.testing.assert_close(layer(x, routing), layer(x) + 2.0 * x @ A.t() @ B.t())
+    x64, W64, b64, A64, B64 = (t.detach().double() for t in (x, layer.weight, layer.bias, A, B))
+    exact = x64 @ W64.t() + b64 + 2.0 * x64 @ A64.t() @ B64.t()
+    assert_within_rounding(layer(x, routing), layer(x) + 2.0 * x @ A.t() @ B.t(), exact, "delta")
     with pytest.raises(ValueError, match=r"A \(3, 5\)"):
         layer.attach(8, torch.randn(3, 5), torch.zeros(5, 3), scale=1.0)
     assert layer.has_slot(7) and not layer.has_slot(8)
@@ -205,8 +230,9 @@ def test_initial_A_depends_on_seed_and_target_only_not_on_trained_groups() -> No
 
 
 @pytest.fixture(scope="module")
-def peft_and_decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[PeftModel, Decoder]:
-    """A tiny Qwen3 as PEFT with the adapters of SLOTS (random non-zero A and B), and as our Decoder."""
+def peft_and_decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[PeftModel, Decoder, Decoder]:
+    """A tiny Qwen3 as PEFT with the adapters of SLOTS (random non-zero A and B), as our Decoder, and as
+    our Decoder in float64."""
     directory = tmp_path_factory.mktemp("qwen3")
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(
@@ -224,7 +250,7 @@ def peft_and_decoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[PeftMode
         for name, parameter in peft_model.named_parameters():
             if ".lora_" in name:
                 parameter.normal_(0.0, 0.05)
-    return peft_model.eval(), load_decoder(directory)
+    return peft_model.eval(), load_decoder(directory), load_decoder(directory, "cpu", torch.float64)
 
 
 def attach_peft_adapters(
@@ -261,58 +287,64 @@ def packed_slot_logits(decoder: Decoder, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def test_mixed_packed_batch_gives_each_sequence_its_peft_adapter_logits(
-    peft_and_decoder: tuple[PeftModel, Decoder],
+    peft_and_decoder: tuple[PeftModel, Decoder, Decoder],
 ) -> None:
-    peft_model, decoder = peft_and_decoder
+    peft_model, decoder, decoder_exact = peft_and_decoder
     attach_peft_adapters(peft_model, decoder)
+    attach_peft_adapters(peft_model, decoder_exact)
     mlp_layer, _ = decoder.lora_targets()["model.layers.0.mlp.up_proj"]
     assert mlp_layer.has_slot(0) and not mlp_layer.has_slot(2)  # slot 2 trains no MLP
     tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
+    twin = float64_copy(peft_model)
     with torch.no_grad():
-        ours = packed_slot_logits(decoder, tokens)
-        for (slot, _), seq, ours_seq in zip(
-            SEQUENCES, tokens.split(LENGTHS), ours.split(LENGTHS), strict=True
-        ):
-            expected = peft_logits(peft_model, slot, seq)
-            assert (ours_seq - expected).abs().max() < 1e-4
-            if slot is not None:  # the adapters change the logits, so the comparison means something
-                assert (expected - peft_logits(peft_model, None, seq)).abs().max() > 1e-2
+        ours, ours_exact = (packed_slot_logits(d, tokens).split(LENGTHS) for d in (decoder, decoder_exact))
+        for i, ((slot, _), seq) in enumerate(zip(SEQUENCES, tokens.split(LENGTHS), strict=True)):
+            expected, exact = peft_logits(peft_model, slot, seq), peft_logits(twin, slot, seq)
+            assert_within_rounding(ours[i], expected, exact, f"sequence {i}", got_exact=ours_exact[i])
+            if (
+                slot is not None
+            ):  # the adapters move the logits far past rounding: the comparison means something
+                change = float((expected - peft_logits(peft_model, None, seq)).norm())
+                assert change > 1000 * rounding_bound(expected, exact)
 
 
 def test_slot_gradients_from_a_mixed_batch_equal_peft_on_that_slots_sequences(
-    peft_and_decoder: tuple[PeftModel, Decoder],
+    peft_and_decoder: tuple[PeftModel, Decoder, Decoder],
 ) -> None:
-    peft_model, decoder = peft_and_decoder
-    attached = attach_peft_adapters(peft_model, decoder)
+    peft_model, decoder, decoder_exact = peft_and_decoder
+    attached, attached_exact = (attach_peft_adapters(peft_model, d) for d in (decoder, decoder_exact))
     tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
     loss_weights = torch.randn(sum(LENGTHS), TINY_SHAPES["vocab_size"])
-    (loss_weights * packed_slot_logits(decoder, tokens)).sum().backward()
+    for d in (decoder, decoder_exact):
+        (loss_weights * packed_slot_logits(d, tokens)).sum().backward()
 
-    hf_root = peft_model.base_model.model
+    twin = float64_copy(peft_model)
     for slot, (adapter, _, _) in SLOTS.items():
-        peft_model.zero_grad(set_to_none=True)
-        reference_loss = sum(
-            (w * peft_logits(peft_model, slot, seq)).sum()
-            for (seq_slot, _), seq, w in zip(
-                SEQUENCES, tokens.split(LENGTHS), loss_weights.split(LENGTHS), strict=True
+        for model in (peft_model, twin):
+            model.zero_grad(set_to_none=True)
+            reference_loss = sum(
+                (w * peft_logits(model, slot, seq)).sum()
+                for (seq_slot, _), seq, w in zip(
+                    SEQUENCES, tokens.split(LENGTHS), loss_weights.split(LENGTHS), strict=True
+                )
+                if seq_slot == slot
             )
-            if seq_slot == slot
-        )
-        reference_loss.backward()
-        for name, (A, B) in attached[slot].items():
-            module = hf_root.get_submodule(name)
-            for ours, expected in (
-                (A.grad, module.lora_A[adapter].weight.grad),
-                (B.grad, module.lora_B[adapter].weight.grad),
+            reference_loss.backward()
+        for name, pair in attached[slot].items():
+            module, twin_module = (m.base_model.model.get_submodule(name) for m in (peft_model, twin))
+            for key, ours, ours_exact in zip(
+                ("lora_A", "lora_B"), pair, attached_exact[slot][name], strict=True
             ):
-                assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+                expected, exact = (getattr(m, key)[adapter].weight.grad for m in (module, twin_module))
+                what = f"slot {slot} {name} {key}"
+                assert_within_rounding(ours.grad, expected, exact, what, got_exact=ours_exact.grad)
     assert all(parameter.grad is None and not parameter.requires_grad for parameter in decoder.parameters())
 
 
 def test_a_loss_on_one_slots_tokens_gives_other_slots_no_gradient(
-    peft_and_decoder: tuple[PeftModel, Decoder],
+    peft_and_decoder: tuple[PeftModel, Decoder, Decoder],
 ) -> None:
-    peft_model, decoder = peft_and_decoder
+    peft_model, decoder, _ = peft_and_decoder
     attached = attach_peft_adapters(peft_model, decoder)
     tokens = torch.randint(0, TINY_SHAPES["vocab_size"], (sum(LENGTHS),))
     logits = packed_slot_logits(decoder, tokens)

@@ -13,6 +13,8 @@ from loraplex.model import tiny
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.packing import PackedSequences
 from loraplex.model.tiny import ensure_tiny_model
+from tests.model.float64 import float64_copy
+from tests.model.rounding import assert_within_rounding
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +70,15 @@ def test_tokenizer_round_trips_any_text_and_renders_chatml(tiny_dir: Path) -> No
 
 def test_our_packed_logits_equal_transformers_on_the_tiny_model(tiny_dir: Path) -> None:
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    decoder = load_decoder(tiny_dir)
+    decoder, twin = load_decoder(tiny_dir), load_decoder(tiny_dir, "cpu", torch.float64)
     assert decoder.config.model_type == "qwen3" and decoder.config.tie_word_embeddings
     lengths = (9, 4, 13)
     tokens = torch.randint(0, 259, (sum(lengths),))
     with torch.no_grad():
-        ours = decoder.logits(tokens, PackedSequences.from_lengths(lengths))
-        expected = torch.cat([hf_model(input_ids=seq[None]).logits[0] for seq in tokens.split(lengths)])
+        ours, ours_exact = (d.logits(tokens, PackedSequences.from_lengths(lengths)) for d in (decoder, twin))
+        expected, exact = (
+            torch.cat([model(input_ids=seq[None]).logits[0] for seq in tokens.split(lengths)])
+            for model in (hf_model, float64_copy(hf_model))
+        )
     assert ours.shape == (sum(lengths), 512)
-    assert (ours - expected).abs().max() < 1e-4
+    assert_within_rounding(ours, expected, exact, "logits", got_exact=ours_exact)
