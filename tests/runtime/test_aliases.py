@@ -5,24 +5,33 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
+from datetime import datetime
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from loraplex.config import ServerConfig
 from loraplex.errors import NotFoundError, UserError
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.aliases import ALIASES_FILE, AliasTable, import_alias_file
 from loraplex.runtime.control.store import Store
+from loraplex.runtime.control.store.schema import AliasRow
+from loraplex.timestamps import as_utc
+from tests.e2e.postgres import create_database
 from tests.fakes import FakeEngine
 from tests.runtime.legacy_store import rows
 
 PATH = "tinker://s1:train:0/sampler_weights/final"
 
 
-@pytest.fixture
-def url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'db.sqlite'}"
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'db.sqlite'}"
+    prefix = request.getfixturevalue("postgres_url_prefix")
+    return create_database(prefix, f"aliases_{uuid.uuid4().hex}")
 
 
 def test_an_alias_belongs_to_its_tenant_and_survives_a_restart(tmp_path: Path, url: str) -> None:
@@ -48,11 +57,35 @@ def test_setting_an_alias_again_moves_it_and_deleting_forgets_it(url: str) -> No
         table.delete("alice", "latest")
 
 
-def test_a_tenants_aliases_list_in_name_order(url: str) -> None:
+def test_moving_an_alias_keeps_when_it_was_made_and_stamps_when_it_moved(url: str) -> None:
     table = AliasTable(Store(url))
-    for alias in ("b", "a/x", "c"):
+    table.set("alice", "latest", PATH)
+    (made,) = _stamps(url)
+    table.set("alice", "latest", PATH.replace("final", "next"))
+    (moved,) = _stamps(url)
+    assert moved[0] == made[0] == made[1] < moved[1]
+
+
+def _stamps(url: str) -> list[tuple[datetime, datetime]]:
+    engine = sa.create_engine(url)
+    with engine.connect() as connection:
+        found = connection.execute(sa.select(AliasRow.created_at, AliasRow.updated_at)).all()
+    engine.dispose()
+    return [(as_utc(created), as_utc(updated)) for created, updated in found]
+
+
+def test_a_tenants_aliases_list_in_code_point_order_on_every_database(url: str) -> None:
+    table = AliasTable(Store(url))
+    for alias in ("b", "a_x", "B", "a/x", "_z", "a-x"):
         table.set("alice", alias, PATH)
-    assert list(table.of("alice")) == ["a/x", "b", "c"]
+    assert list(table.of("alice")) == [
+        "B",
+        "_z",
+        "a-x",
+        "a/x",
+        "a_x",
+        "b",
+    ]  # ASCII: B=66 _=95 a=97; -=45 /=47
 
 
 @pytest.mark.parametrize("alias", ["", "tinker://x/y/z", "a:b", "-lead", "x" * 129, "two words"])

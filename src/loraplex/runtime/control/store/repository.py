@@ -513,10 +513,11 @@ class Store:
         return row.model if row is not None else None
 
     def tenant_aliases(self, tenant: str) -> dict[str, str]:
-        """The tenant's aliases and what each names, by alias."""
+        """The tenant's aliases and what each names, in code point order of the alias (sorted here: the
+        database's collation may order punctuation and case otherwise)."""
         query = select(AliasRow.alias, AliasRow.model).where(AliasRow.tenant == tenant)
         with self._session() as s:
-            return {alias: model for alias, model in s.execute(query.order_by(AliasRow.alias))}
+            return dict(sorted(s.execute(query).tuples()))
 
     def set_alias(self, tenant: str, alias: str, model: str) -> None:
         """Point the tenant's alias at `model`: a new alias, or an existing one moved."""
@@ -532,13 +533,16 @@ class Store:
     def add_aliases(self, rows: Sequence[AliasRow]) -> int:
         """Store aliases their tenants do not have yet, in one transaction; an alias a tenant has keeps its
         target. Return how many were added."""
-        if not rows:
-            return 0
         values = [{c.key: getattr(row, c.key) for c in AliasRow.__table__.columns} for row in rows]
+        added = 0
         with self._writing_core() as connection:
-            return connection.execute(
-                self._insert_or(AliasRow).values(values).on_conflict_do_nothing()
-            ).rowcount
+            for start in range(0, len(values), 1000):  # SQLite binds at most 32766 values per statement
+                query = self._insert_or(AliasRow).values(values[start : start + 1000])
+                # Counted by RETURNING: PostgreSQL reports no rowcount for a multi-row INSERT.
+                added += len(
+                    connection.execute(query.on_conflict_do_nothing().returning(AliasRow.alias)).all()
+                )
+        return added
 
     def delete_alias(self, tenant: str, alias: str) -> bool:
         """Forget one of the tenant's aliases; False if it had no such alias."""
