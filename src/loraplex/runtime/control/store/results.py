@@ -34,7 +34,7 @@ import numpy as np
 from loraplex.engine.types import PassResult, SampledSequence, SampleResult
 from loraplex.errors import ServerError
 
-MAGIC = b"LPR1"
+_MAGIC = b"LPR1"
 _PREAMBLE = struct.Struct("<4sI")  # magic, header length
 _ALIGN = 8  # every array starts at a multiple of this: the widest dtype's alignment
 _KINDS = "biuf"  # numpy kinds a result array may have: bool, signed and unsigned integer, float
@@ -91,7 +91,7 @@ def encode_result(result: Result) -> bytes:
     specs = [[a.dtype.str, list(a.shape), offset] for a, offset in zip(arrays, offsets, strict=True)]
     header = json.dumps({"kind": kind, "value": value, "arrays": specs}, separators=(",", ":")).encode()
     start = _PREAMBLE.size + len(header)
-    parts: list[Any] = [_PREAMBLE.pack(MAGIC, len(header)), header, bytes(_aligned(start) - start)]
+    parts: list[Any] = [_PREAMBLE.pack(_MAGIC, len(header)), header, bytes(_aligned(start) - start)]
     position = 0
     for array, offset in zip(arrays, offsets, strict=True):
         parts += [bytes(offset - position), array]  # zero bytes up to the array's offset, then its bytes
@@ -107,8 +107,8 @@ def decode_result(blob: bytes) -> Result:
             f"result of {len(view)} bytes: shorter than the {_PREAMBLE.size}-byte preamble"
         )
     magic, size = _PREAMBLE.unpack_from(view)
-    if magic != MAGIC:
-        raise CorruptResultError(f"result starts with {magic!r}, not the magic {MAGIC!r}")
+    if magic != _MAGIC:
+        raise CorruptResultError(f"result starts with {magic!r}, not the magic {_MAGIC!r}")
     start = _aligned(_PREAMBLE.size + size)
     if start > len(view):
         raise CorruptResultError(f"result of {len(view)} bytes cannot hold its {size}-byte header")
