@@ -32,7 +32,7 @@ class Base(DeclarativeBase):
 
 # A 64-bit integer that may also be an autoincrementing primary key: SQLite's autoincrement needs INTEGER
 # (its rowid, 64-bit anyway); elsewhere BIGINT, as ids are never reused and a busy server writes billions.
-BigId = BigInteger().with_variant(Integer, "sqlite")
+_BIG_ID = BigInteger().with_variant(Integer, "sqlite")
 
 
 class ApiKeyRow(Base):
@@ -101,7 +101,7 @@ class CheckpointRow(Base):
         Index("ix_checkpoints_tenant_created", "tenant", "created_at"),
     )
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(128))
@@ -173,14 +173,14 @@ class MetricRow(Base):
     # history) are both this index.
     __table_args__ = (Index("ix_run_metrics_run", "run_id", "id"),)
 
-    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(200))
     seq_id: Mapped[int] = mapped_column(BigInteger)
     # The optimizer step the request belongs to: a forward_backward's is the step it feeds (the run's steps
     # so far + 1), an optim_step's the step it took, a forward's the steps taken before it.
     step: Mapped[int] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step
-    # Text, not JSON, as FutureRow.result: written once, read back whole.
+    # Text, not the JSON type: written once, read back whole.
     metrics: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

@@ -31,7 +31,7 @@ down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-_BIG_ID = sa.BigInteger().with_variant(sa.Integer, "sqlite")  # as schema.BigId, frozen here
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer, "sqlite")  # as schema._BIG_ID, frozen here
 # Every integer column of the schema, with the type it becomes.
 _WIDENED: dict[str, dict[str, sa.types.TypeEngine[Any]]] = {
     "training_runs": {"last_seq_id": sa.BigInteger(), "last_step": sa.BigInteger()},
