@@ -21,7 +21,7 @@ from loraplex.timestamps import utcnow
 log = logging.getLogger(__name__)
 
 ALIASES_FILE = "aliases.json"  # where releases before the aliases table kept them: {tenant: {alias: model}}
-IMPORTED_SUFFIX = ".imported"  # the file's new name once its aliases are in the database
+_IMPORTED_SUFFIX = ".imported"  # the file's new name once its aliases are in the database
 # No ':' so that no alias can look like a tinker:// path or a base model name with a :suffix.
 _ALIAS_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,127}")
 
@@ -70,7 +70,7 @@ def import_alias_file(store: Store, data_dir: Path) -> int:
         return 0
     rows = _rows(path)
     added = store.add_aliases(rows)
-    path.rename(path.with_name(ALIASES_FILE + IMPORTED_SUFFIX))
+    path.rename(path.with_name(ALIASES_FILE + _IMPORTED_SUFFIX))
     log.info("imported %d of the %d aliases in %s into the database", added, len(rows), path)
     return added
 
