@@ -15,13 +15,22 @@ FORBIDDEN = {
         "starlette",
         "uvicorn",
         "sqlalchemy",
+        "alembic",
         "loraplex.engine",
         "loraplex.runtime",
         "loraplex.api",
     },
-    "engine": {"fastapi", "starlette", "uvicorn", "sqlalchemy", "loraplex.runtime", "loraplex.api"},
+    "engine": {
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "sqlalchemy",
+        "alembic",
+        "loraplex.runtime",
+        "loraplex.api",
+    },
     "runtime": {"torch", "fastapi", "starlette", "uvicorn", "loraplex.api", "loraplex.model"},
-    "api": {"torch", "sqlalchemy", "loraplex.model"},
+    "api": {"torch", "sqlalchemy", "alembic", "loraplex.model"},
 }
 
 

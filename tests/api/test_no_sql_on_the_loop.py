@@ -90,6 +90,10 @@ def test_a_whole_session_over_http_never_touches_the_database_on_the_loop_or_und
             == 200
         )
         assert http.post(f"/api/v1/sessions/{session}/finish", json={}, headers=key).status_code == 200
+        alias = {"alias": "sft/latest", "model": path}
+        assert http.post("/v1/aliases", json=alias, headers=key).status_code == 200
+        assert http.get("/v1/aliases", headers=key).json()["data"] == [{"object": "alias", **alias}]
+        assert http.delete("/v1/aliases/sft/latest", headers=key).status_code == 200
         assert http.post("/console/login", data={"key": key["X-API-Key"]}).status_code == 200  # to runs
         for page in ("runs", f"runs/{run}", "samplers", "requests", "server"):
             assert http.get(f"/console/{page}").status_code == 200

@@ -44,7 +44,7 @@ def inference(service: Runtime, codec: TextCodec, tmp_path: Path) -> InferenceSe
         service.futures,
         service.sessions,
         service.catalog,
-        AliasTable(tmp_path),
+        AliasTable(service.store),
         codec,
     )
 

@@ -4,6 +4,7 @@ those of the checkpoint files on disk."""
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import uuid
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import SaveState
 from tests.e2e.postgres import create_database
 from tests.runtime.conftest import create_run, result_of
+from tests.runtime.legacy_store import rows
+
+LEGACY_STORE = Path(__file__).parent / "legacy_store"
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -103,8 +107,9 @@ def _files(directory: Path) -> list[Path]:
 
 def test_a_database_from_before_display_names_gains_the_column_and_keeps_its_sessions(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    Store(url).close()
+    shutil.copyfile(LEGACY_STORE / rows.SQLITE_FILE, tmp_path / "old.db")  # made before migrations
     with sqlite3.connect(tmp_path / "old.db") as old:  # as the release before display names left it
+        old.execute("DELETE FROM sessions")
         old.execute("ALTER TABLE sessions DROP COLUMN display_name")
         old.execute(
             "INSERT INTO sessions (id, tenant, created_at, last_heartbeat_at, user_metadata)"

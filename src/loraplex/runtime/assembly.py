@@ -14,7 +14,7 @@ from typing import cast
 
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine, EngineInfo
-from loraplex.runtime.control.aliases import AliasTable
+from loraplex.runtime.control.aliases import AliasTable, import_alias_file
 from loraplex.runtime.control.catalog import Catalog
 from loraplex.runtime.control.downloads import DownloadSigner
 from loraplex.runtime.control.futures import FutureTable
@@ -80,13 +80,14 @@ class Runtime:
             engine, self.state, self.futures, self.writer, self.sessions, self.catalog, store, config
         )
         self.samplers = SamplerService(engine, self.state, self.futures, self.sessions, self.catalog, store)
+        import_alias_file(store, config.data_dir)  # an earlier release's aliases.json, once
         self.inference = InferenceService(
             engine.info,
             self.samplers,
             self.futures,
             self.sessions,
             self.catalog,
-            AliasTable(config.data_dir),
+            AliasTable(store),
             TextCodec.load(engine.info.tokenizer_dir),
         )
         recover(store, self.layout, self.state, config.max_seq_ids_ahead)

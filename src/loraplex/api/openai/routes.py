@@ -3,6 +3,7 @@ generation through the runtime's InferenceService and answers as OpenAI does. No
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -56,7 +57,7 @@ async def chat_completions(
 
 @router.get("/aliases")
 async def list_aliases(inference: Inference, tenant: Tenant) -> dict[str, Any]:
-    aliases = inference.aliases.of(tenant)
+    aliases = await asyncio.to_thread(inference.aliases.of, tenant)  # the database, off the loop
     return {"object": "list", "data": [_alias_json(alias, model) for alias, model in aliases.items()]}
 
 
@@ -68,7 +69,7 @@ async def set_alias(body: AliasRequest, inference: Inference, tenant: Tenant) ->
 
 @router.delete("/aliases/{alias:path}")
 async def delete_alias(alias: str, inference: Inference, tenant: Tenant) -> dict[str, Any]:
-    inference.aliases.delete(tenant, alias)
+    await asyncio.to_thread(inference.aliases.delete, tenant, alias)
     return {"object": "alias.deleted", "alias": alias, "deleted": True}
 
 

@@ -115,7 +115,7 @@ class InferenceService:
         if not model.startswith("tinker://"):
             raise UserError(f"an alias names a tinker:// checkpoint path, not {model!r}")
         await self.resolve(tenant, model)
-        self.aliases.set(tenant, alias, model)
+        await asyncio.to_thread(self.aliases.set, tenant, alias, model)
 
     async def resolve(self, tenant: str, model: str) -> str | None:
         """The checkpoint path `model` names for `tenant`, None for the base model; ModelNotFoundError."""

@@ -1,7 +1,8 @@
 """The Store: every database read and write of loraplex, one short transaction per call.
 
-SQLite (WAL) by default, PostgreSQL by URL. Thread-safe: each call opens its own session.
-Returned rows are detached snapshots; changing them changes nothing. No tensors, no HTTP.
+SQLite (WAL) by default, PostgreSQL by URL; opening one brings its schema to the newest revision
+(migrations/). Thread-safe: each call opens its own session. Returned rows are detached snapshots;
+changing them changes nothing. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -24,21 +25,21 @@ from sqlalchemy import (
     event,
     func,
     insert,
-    inspect,
     or_,
     select,
-    text,
     tuple_,
     update,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.engine import Engine as SqlEngine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.errors import NotFoundError
+from loraplex.runtime.control.store import migrations
 from loraplex.runtime.control.store.schema import (
-    COLUMNS_ADDED,
+    AliasRow,
     ApiKeyRow,
     Base,
     CheckpointRow,
@@ -53,11 +54,11 @@ from loraplex.timestamps import as_utc, utcnow
 
 @dataclass(frozen=True)
 class FutureOutcome:
-    """What finishing one future writes: its status and its encoded result or error."""
+    """What finishing one future writes: its status and its encoded result (results.py) or error."""
 
     id: str
     status: str
-    result: str | None
+    result: bytes | None
     error: str | None
     category: str | None
 
@@ -124,8 +125,7 @@ class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self._engine = _connect(url)
-        Base.metadata.create_all(self._engine)
-        _upgrade(self._engine)
+        migrations.upgrade(self._engine)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
         # SQLite lets one connection write at a time and makes the others poll for the lock, sleeping 1,
         # 2, 5, 10 ... ms between tries; writers queue on a lock of ours instead and wake the moment it is
@@ -506,6 +506,55 @@ class Store:
         with self._session() as s:
             return s.scalar(select(func.count()).select_from(MetricRow)) or 0
 
+    # --- model aliases (runtime/control/aliases.py validates them)
+    def alias_target(self, tenant: str, alias: str) -> str | None:
+        """What the tenant's alias names, or None if it has no such alias."""
+        row = self._get(AliasRow, (tenant, alias))
+        return row.model if row is not None else None
+
+    def tenant_aliases(self, tenant: str) -> dict[str, str]:
+        """The tenant's aliases and what each names, in code point order of the alias (sorted here: the
+        database's collation may order punctuation and case otherwise)."""
+        query = select(AliasRow.alias, AliasRow.model).where(AliasRow.tenant == tenant)
+        with self._session() as s:
+            return dict(sorted(s.execute(query).tuples()))
+
+    def set_alias(self, tenant: str, alias: str, model: str) -> None:
+        """Point the tenant's alias at `model`: a new alias, or an existing one moved."""
+        now = utcnow()
+        row = {"tenant": tenant, "alias": alias, "model": model, "created_at": now, "updated_at": now}
+        query = self._insert_or(AliasRow).values(row)
+        keys = [AliasRow.tenant.key, AliasRow.alias.key]
+        with self._writing_core() as connection:
+            connection.execute(
+                query.on_conflict_do_update(index_elements=keys, set_={"model": model, "updated_at": now})
+            )
+
+    def add_aliases(self, rows: Sequence[AliasRow]) -> int:
+        """Store aliases their tenants do not have yet, in one transaction; an alias a tenant has keeps its
+        target. Return how many were added."""
+        values = [{c.key: getattr(row, c.key) for c in AliasRow.__table__.columns} for row in rows]
+        added = 0
+        with self._writing_core() as connection:
+            for start in range(0, len(values), 1000):  # SQLite binds at most 32766 values per statement
+                query = self._insert_or(AliasRow).values(values[start : start + 1000])
+                # Counted by RETURNING: PostgreSQL reports no rowcount for a multi-row INSERT.
+                added += len(
+                    connection.execute(query.on_conflict_do_nothing().returning(AliasRow.alias)).all()
+                )
+        return added
+
+    def delete_alias(self, tenant: str, alias: str) -> bool:
+        """Forget one of the tenant's aliases; False if it had no such alias."""
+        query = delete(AliasRow).where(AliasRow.tenant == tenant, AliasRow.alias == alias)
+        with self._writing() as s:
+            return s.execute(query).rowcount > 0
+
+    def _insert_or(self, row_class: type[Base]) -> Any:
+        """An INSERT with ON CONFLICT clauses, in this database's dialect."""
+        dialects = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+        return dialects[self._engine.dialect.name](row_class.__table__)
+
     # --- retention (runtime/control/retention.py decides; these only select and delete)
     def prune_futures(self, finished_before: datetime) -> int:
         """Delete futures that finished before the given time; return how many."""
@@ -643,17 +692,3 @@ def _over_cap(keep_per_run: int) -> Any:
 
 def _same_path(run_id: str, kind: str, name: str) -> tuple[Any, ...]:
     return (CheckpointRow.run_id == run_id, CheckpointRow.kind == kind, CheckpointRow.name == name)
-
-
-def _upgrade(engine: SqlEngine) -> None:
-    """Bring a database made by an earlier release up to the current tables: add the columns it lacks
-    (schema.COLUMNS_ADDED; nullable, so existing rows stay valid) and the indexes."""
-    existing = {table: {c["name"] for c in inspect(engine).get_columns(table)} for table, _ in COLUMNS_ADDED}
-    with engine.begin() as connection:
-        for table, column in COLUMNS_ADDED:
-            if column not in existing[table]:
-                kind = Base.metadata.tables[table].c[column].type.compile(dialect=engine.dialect)
-                connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} {kind}"))
-    for table in Base.metadata.tables.values():
-        for index in table.indexes:
-            index.create(engine, checkfirst=True)

@@ -1,23 +1,38 @@
 """Database tables (SQLAlchemy 2 ORM): tenants' keys, sessions, training runs, checkpoints, samplers, futures,
-and each run's metric history.
+each run's metric history, and the tenants' model aliases.
 
-Rows hold identities, ownership and small JSON results; never request bodies, tensors or weights
-(those live in memory or under the data directory). Times are UTC.
-
-`COLUMNS_ADDED` lists the columns added to a table after it first shipped: `Store` adds any that an
-existing database lacks (`create_all` only creates missing tables), so an upgrade keeps its data.
+Rows hold identities, ownership and encoded results; never request bodies, tensors or weights (those
+live in memory or under the data directory). Times are UTC. Every count, size, step and numeric id is
+64-bit. These classes declare the schema the code expects; the migrations (migrations/versions/) are
+what creates and changes it, and a test holds the two equal.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 class Base(DeclarativeBase):
     """Declarative base of every loraplex table."""
+
+
+# A 64-bit integer that may also be an autoincrementing primary key: SQLite's autoincrement needs INTEGER
+# (its rowid, 64-bit anyway); elsewhere BIGINT, as ids are never reused and a busy server writes billions.
+_BIG_ID = BigInteger().with_variant(Integer, "sqlite")
 
 
 class ApiKeyRow(Base):
@@ -72,7 +87,7 @@ class RunRow(Base):
     last_seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Optimizer steps the run has taken on this server, as of its last recorded metrics (the console's
     # "last step"; a restarted run counts on from it). NULL: none recorded.
-    last_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
 
 class CheckpointRow(Base):
@@ -86,12 +101,12 @@ class CheckpointRow(Base):
         Index("ix_checkpoints_tenant_created", "tenant", "created_at"),
     )
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(128))
     tenant: Mapped[str] = mapped_column(String(128))
-    size_bytes: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)  # a checkpoint may pass 2 GiB
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
@@ -116,7 +131,7 @@ class SamplerRow(Base):
 
 
 class FutureRow(Base):
-    """A submitted request's future: status and its result (JSON text), retrievable after a restart."""
+    """A submitted request's future: status and its encoded result, retrievable after a restart."""
 
     __tablename__ = "futures"
     # Dedup under concurrent retries: a (run, seq_id) may own at most one future, even across a
@@ -139,8 +154,9 @@ class FutureRow(Base):
     # 64-bit: a cloned SamplingClient numbers its requests from clone_id * 1e9.
     seq_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     status: Mapped[str] = mapped_column(String(16))  # pending | complete | failed
-    # Text, not JSON: results are written once and only ever read back whole, by the API's codec.
-    result: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Bytes in the format of results.py, not JSON: results are written once and only ever read back whole,
+    # and their arrays go in and out as raw bytes.
+    result: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     category: Mapped[str | None] = mapped_column(String(16), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -157,28 +173,27 @@ class MetricRow(Base):
     # history) are both this index.
     __table_args__ = (Index("ix_run_metrics_run", "run_id", "id"),)
 
-    # 64-bit on PostgreSQL: ids are never reused, and a busy server writes billions over its life. SQLite's
-    # autoincrement needs INTEGER (its rowid, 64-bit anyway).
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(200))
     seq_id: Mapped[int] = mapped_column(BigInteger)
     # The optimizer step the request belongs to: a forward_backward's is the step it feeds (the run's steps
     # so far + 1), an optim_step's the step it took, a forward's the steps taken before it.
-    step: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(BigInteger)
     kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step
-    # Text, not JSON, as FutureRow.result: written once, read back whole.
+    # Text, not the JSON type: written once, read back whole.
     metrics: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-# (table, column) added since the first release, in the order they were added.
-COLUMNS_ADDED: tuple[tuple[str, str], ...] = (
-    ("training_runs", "last_seq_id"),
-    ("samplers", "last_used_at"),
-    ("checkpoints", "public"),
-    ("sessions", "display_name"),
-    ("api_keys", "admin"),
-    ("training_runs", "last_step"),
-)
+class AliasRow(Base):
+    """A tenant's name for one of its models (runtime/control/aliases.py): alias -> a tinker:// path."""
+
+    __tablename__ = "aliases"
+
+    # Each tenant has its own names, so (tenant, alias) is the key; resolving a name and listing a
+    # tenant's names (a prefix of the key) both use it.
+    tenant: Mapped[str] = mapped_column(String(128), primary_key=True)
+    alias: Mapped[str] = mapped_column(String(128), primary_key=True)  # aliases.py allows 128 characters
+    model: Mapped[str] = mapped_column(String(500))  # as wide as SamplerRow.model_path, the same paths
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # when it last moved
