@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.api.app import create_app
-from loraplex.api.metrics import DEVICE_MEMORY_METRICS
 from loraplex.config import ServerConfig
 from loraplex.log_format import JsonFormatter, TextFormatter
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
 from loraplex.runtime.control.store import Store
+from loraplex.runtime.observability.telemetry import DEVICE_MEMORY_METRICS
 from tests.fakes import FakeEngine
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -77,6 +78,45 @@ def test_routes_are_labelled_by_template_and_errors_by_category(http: TestClient
     assert samples[("loraplex_http_requests_total", unmatched)] == 1
     assert samples[("loraplex_errors_total", (("category", "user"), ("source", "response")))] == 3
     assert not [labels for _, labels in samples if any("some-sampler-id" in v for _, v in labels)]
+
+
+def test_metrics_serves_the_telemetry_registry_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path))
+    with TestClient(create_app(runtime)) as http:
+        monkeypatch.setattr(runtime.telemetry, "snapshot", _no_snapshot)  # nothing reads a translation
+        before = _samples(http)[("loraplex_optim_step_runs_total", ())]
+        runtime.telemetry.record_optim_step(runs=4, duration_s=0.01)
+        # A metric only the registry knows: /metrics collects the registry object, not a copy of its names.
+        Counter("loraplex_probe", "Made by this test alone.", registry=runtime.telemetry.registry).inc(3)
+        samples = _samples(http)
+    assert samples[("loraplex_optim_step_runs_total", ())] == before + 4
+    assert samples[("loraplex_probe_total", ())] == 3
+
+
+def _no_snapshot() -> None:
+    raise AssertionError("/metrics took a telemetry snapshot")
+
+
+def test_every_error_series_is_there_from_the_start_and_failed_futures_count_by_category(
+    tmp_path: Path,
+) -> None:
+    runtime = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path))
+    with TestClient(create_app(runtime)) as http:
+        errors = {
+            labels: v for (name, labels), v in _samples(http).items() if name == "loraplex_errors_total"
+        }
+        runtime.telemetry.record_outcomes(1, {"server": 2})
+        samples = _samples(http)
+    assert errors == {
+        (("category", category), ("source", source)): 0
+        for category in ("user", "capacity", "server")
+        for source in ("response", "future")
+    }
+    assert samples[("loraplex_errors_total", (("category", "server"), ("source", "future")))] == 2
+    assert samples[("loraplex_errors_total", (("category", "server"), ("source", "response")))] == 0
+    assert samples[("loraplex_futures_finished_total", (("state", "failed"),))] == 2
 
 
 def test_the_request_id_header_is_returned(http: TestClient) -> None:

@@ -1,4 +1,5 @@
-"""Telemetry: counters, windows and snapshots, on a fake clock; and the service feeding it."""
+"""Telemetry: counters in its prometheus_client registry, windows and snapshots, on a fake clock; and the
+service feeding it."""
 
 from __future__ import annotations
 
@@ -119,6 +120,43 @@ def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeCloc
     assert snapshot.device == "cuda:0 (NVIDIA H200)"
     assert snapshot.memory.device_allocated_bytes == 1 << 30
     assert snapshot.uptime_s == 42.0
+
+
+def test_records_land_in_the_registry_that_metrics_serves(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock)
+    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7)
+    for tokens in (100, 20, 3):
+        telemetry.record_pass(tokens=tokens, requests=2, runs=2, tenants=1, duration_s=0.3)
+    telemetry.record_optim_step(runs=4, duration_s=0.02)
+    telemetry.record_outcomes(5, {"server": 2})
+    telemetry.record_engine_thread({"engine": 0.5, "durable": 0.0, "held": 0.0, "idle": 1.5, "other": 0.25})
+    value = telemetry.registry.get_sample_value
+    assert value("loraplex_pass_tokens_total") == 123
+    assert value("loraplex_pass_duration_seconds_bucket", {"le": "0.5"}) == 3
+    assert value("loraplex_pass_duration_seconds_bucket", {"le": "0.25"}) == 0
+    assert value("loraplex_optim_step_runs_total") == 4
+    assert value("loraplex_futures_finished_total", {"state": "failed"}) == 2
+    assert value("loraplex_errors_total", {"category": "server", "source": "future"}) == 2
+    assert value("loraplex_errors_total", {"category": "user", "source": "future"}) == 0
+    assert value("loraplex_engine_busy_seconds_total") == 0.5
+    assert value("loraplex_engine_thread_seconds_total", {"state": "idle"}) == 1.5
+    assert value("loraplex_queue_depth", {"kind": "forward_backward"}) == 5
+    assert value("loraplex_queue_depth", {"kind": "create"}) == 0
+    assert value("loraplex_futures_pending") == 7
+
+
+def test_device_memory_appears_once_reported_and_the_info_gauge_names_the_device(clock: FakeClock) -> None:
+    telemetry = Telemetry(device="cuda:0", clock=clock, model_name="loraplex/tiny")
+    value = telemetry.registry.get_sample_value
+    telemetry.record_usage(EngineUsage(kv_cache_bytes=4096))  # off CUDA: no device memory
+    assert value("loraplex_device_memory_total_bytes") is None
+    assert value("loraplex_kv_cache_bytes") == 4096
+    assert value("loraplex_server_info", {"model": "loraplex/tiny", "device": "cuda:0"}) == 1
+    telemetry.record_usage(EngineUsage(device_name="NVIDIA H200", device_total_bytes=140 << 30))
+    assert value("loraplex_device_memory_total_bytes") == 140 << 30
+    assert value("loraplex_server_info", {"model": "loraplex/tiny", "device": "cuda:0 (NVIDIA H200)"}) == 1
+    assert value("loraplex_server_info", {"model": "loraplex/tiny", "device": "cuda:0"}) is None
+    assert telemetry.snapshot().memory.device_total_bytes == 140 << 30
 
 
 def test_the_service_reports_passes_steps_queues_and_slots(

@@ -110,7 +110,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(BodyLimit, limits=RequestLimits.from_config(runtime.config))
     # Added last, so outermost: its log line and metrics see BodyLimit's refusals too.
-    state.metrics = Metrics(runtime.telemetry, runtime.info.model_name)
+    state.metrics = Metrics(runtime.telemetry)
     app.add_middleware(RequestObserver, metrics=state.metrics)
     # FastAPI tries routes in the order they were added, a regex each, twice per request: the routes of
     # every training step (retrieve_future, then forward_backward and optim_step) come first.

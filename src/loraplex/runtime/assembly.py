@@ -49,7 +49,7 @@ class Runtime:
     def __init__(self, engine: Engine, store: Store, config: ServerConfig) -> None:
         self.engine, self.store, self.config = engine, store, config
         self.layout = DiskLayout(config.data_dir)
-        self.telemetry = Telemetry(engine.info.device)
+        self.telemetry = Telemetry(engine.info.device, model_name=engine.info.model_name)
         store.observe = self.telemetry.record_db_call
         self.state = SharedState(config.max_queued_samples)
         self.futures = FutureTable(

@@ -25,7 +25,8 @@ from loraplex.runtime.control.store.schema import FutureRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
 from loraplex.runtime.observability.history import MetricHistory, MetricSeries
 from loraplex.runtime.observability.progress import Progress, ProgressBoard
-from loraplex.runtime.observability.telemetry import ServerSnapshot, Telemetry
+from loraplex.runtime.observability.server_snapshot import ServerSnapshot
+from loraplex.runtime.observability.telemetry import Telemetry
 from loraplex.timestamps import as_utc
 
 # Most rows a list page shows; most points a chart draws per kind of request.

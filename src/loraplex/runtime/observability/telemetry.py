@@ -1,45 +1,61 @@
 """Telemetry: what the server is doing, kept cheaply for `/metrics`, the console and the logs.
 
-The engine loop feeds it as it works; readers take a `ServerSnapshot`. Recording costs a lock held for a
-few additions and no allocation, except one small record per training pass; everything derived (rates,
-the occupancy of slots and queues, memory) is computed when a snapshot is taken. No tensors, no HTTP, no
-SQL, no Prometheus: the API layer turns snapshots into metrics (api/metrics.py).
+Counters, histograms and gauges are prometheus_client objects in the telemetry's own registry
+(`Telemetry.registry`): the `record_*` methods update them as the engine loop, the futures and the store
+work, and /metrics renders that registry as it is (api/metrics.py adds the HTTP request metrics and the
+process). Slot, run, queue and future occupancy is read from the occupancy source when the registry is
+collected. Rates over the last few seconds and the recent passes are not metrics: they are small plain
+state under a lock of their own, for the console. No tensors, no HTTP, no SQL.
 
 API (stable; the console and /metrics read it):
 
-    telemetry = Telemetry(device="cuda:0", clock=time.monotonic)  # owned by the Runtime
-    # fed by the engine loop (runtime/core/engine_loop.py, runtime/core/executor.py):
+    telemetry = Telemetry(device="cuda:0", clock=time.monotonic, model_name=...)  # owned by the Runtime
+    # fed by the engine loop (runtime/core/engine_loop.py, runtime/core/executor.py, runtime/core/duty.py):
     telemetry.record_pass(tokens, requests, runs, tenants, duration_s)   # one packed training pass
     telemetry.record_optim_step(runs, duration_s)                       # one fused AdamW step
     telemetry.record_sampler_step(duration_s, usage)                    # one sampler step (EngineUsage)
     telemetry.record_usage(usage)                                       # memory / KV cache, ~once a second
     telemetry.record_engine_thread(seconds_by_state)                    # the engine thread's wall time
-    # fed by the futures and the store:
+    # fed by the futures, the store and the request observer:
     telemetry.record_outcomes(complete, failed)                  # futures finished; failed: category -> n
     telemetry.record_db_call(op, duration_s)                            # one Store call
-    # wired by the service: where slot and queue occupancy come from (read at snapshot time)
+    telemetry.record_response_error(category)                           # one HTTP error response
+    # wired by the Runtime: where slot and queue occupancy come from (read at collection time)
     telemetry.occupancy_source = callable returning Occupancy
     # read by anyone, from any thread:
-    telemetry.snapshot() -> ServerSnapshot                              # frozen; see its fields
+    telemetry.registry                                                  # what /metrics serves
+    telemetry.snapshot() -> ServerSnapshot                              # a frozen read of it, for the console
 
 Rates (`train_tokens_per_s`, `decode_tokens_per_s`) are over the last `window_s` seconds (10 by default),
-or since start while the server is younger than that. Totals and histograms count since start.
+or since start while the server is younger than that. Counters and histograms count since start.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from loraplex.engine.interface import EngineUsage
 from loraplex.runtime.core.commands import Command, ForwardBackward, OptimStep
+from loraplex.runtime.observability.server_snapshot import (
+    KvCache,
+    Memory,
+    PassRecord,
+    ServerSnapshot,
+    Totals,
+    process_rss_bytes,
+    read_histograms,
+    read_value,
+    read_values,
+)
 
-# Kinds of queued work, the keys of `ServerSnapshot.queue_depth` (every kind is present, 0 when empty).
+# Kinds of queued work, the `kind` label of loraplex_queue_depth (every kind is present, 0 when empty).
 QUEUE_KINDS = ("create", "forward_backward", "forward", "optim_step", "save", "load", "sample")
 _KIND_OF_REQUEST_TYPE = {
     "CreateModel": "create",
@@ -48,6 +64,10 @@ _KIND_OF_REQUEST_TYPE = {
     "SaveWeightsForSampler": "save",
     "SaveWeightsExternal": "save",
 }
+# The `category` label of loraplex_errors_total: every category has its series from the start.
+ERROR_CATEGORIES = ("user", "capacity", "server")
+# The `state` label of loraplex_engine_thread_seconds_total (runtime/core/duty.py), in the order listed.
+ENGINE_THREAD_STATES = ("engine", "durable", "held", "idle", "other")
 
 # Histogram bucket upper bounds (seconds), Prometheus `le` values; +Inf is implied.
 PASS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -55,9 +75,19 @@ OPTIM_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 DECODE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 DB_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
+# Exported once the engine reports them, i.e. on CUDA only (docs/METRICS.md).
+DEVICE_MEMORY_METRICS = (
+    "loraplex_device_memory_allocated_bytes",
+    "loraplex_device_memory_reserved_bytes",
+    "loraplex_device_memory_total_bytes",
+)
+_DEVICE_MEMORY_HELP = (
+    "Device memory held by tensors (CUDA).",
+    "Device memory the caching allocator holds (CUDA).",
+    "Device memory in all (CUDA).",
+)
+
 _RECENT_PASSES = 32
-# The states of the engine thread's wall time (runtime/core/duty.py), in the order /metrics lists them.
-ENGINE_THREAD_STATES = ("engine", "durable", "held", "idle", "other")
 
 
 def queue_kind(command: Command) -> str:
@@ -81,108 +111,9 @@ class Occupancy:
     futures_pending: int = 0
 
 
-@dataclass(frozen=True)
-class PassRecord:
-    """One training pass: when it ended (seconds since start), what it packed, how long it took."""
-
-    at_s: float
-    tokens: int
-    requests: int
-    runs: int
-    tenants: int
-    duration_s: float
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """A histogram since start: `counts[i]` observations <= `bounds[i]` and above the bound before it;
-    the last count is above every bound (Prometheus turns these into cumulative `le` buckets)."""
-
-    bounds: tuple[float, ...]
-    counts: tuple[int, ...]
-    sum: float
-    count: int
-
-
-@dataclass(frozen=True)
-class Memory:
-    """Process and device memory; None where not known (no /proc, or not on CUDA)."""
-
-    rss_bytes: int | None
-    device_allocated_bytes: int | None
-    device_reserved_bytes: int | None
-    device_total_bytes: int | None
-
-
-@dataclass(frozen=True)
-class KvCache:
-    """The sampler's KV cache right now."""
-
-    bytes: int
-    tokens: int
-    sequences: int
-
-
-@dataclass(frozen=True)
-class Totals:
-    """Counters since start (Prometheus counters read these)."""
-
-    passes: int
-    pass_tokens: int
-    pass_requests: int
-    pass_runs: int  # summed over passes: runs packed per pass = pass_runs / passes
-    pass_tenants: int
-    optim_steps: int
-    optim_step_runs: int
-    sampler_steps: int
-    decode_tokens: int  # tokens the sampler drew
-    prefill_tokens: int
-    futures_complete: int
-    futures_failed: Mapping[str, int]  # category -> count
-
-
-@dataclass(frozen=True)
-class ServerSnapshot:
-    """Everything telemetry knows at one moment; safe to keep and share (frozen, copies throughout)."""
-
-    uptime_s: float
-    device: str
-    slots_used: int
-    slots_total: int
-    runs_parked: int
-    runs_waiting: int
-    queue_depth: Mapping[str, int]  # every kind of QUEUE_KINDS -> requests queued ("sample": unfinished)
-    futures_pending: int
-    train_tokens_per_s: float  # over the recent window
-    decode_tokens_per_s: float
-    last_pass: PassRecord | None
-    recent_passes: tuple[PassRecord, ...]  # oldest first, at most 32
-    memory: Memory
-    kv_cache: KvCache
-    totals: Totals
-    pass_duration: HistogramSnapshot
-    optim_step_duration: HistogramSnapshot
-    sampler_step_duration: HistogramSnapshot
-    db_call_duration: Mapping[str, HistogramSnapshot]  # Store method -> its calls
-    # The engine thread's wall time since start by state (runtime/core/duty.py: engine, durable, held, idle,
-    # other); every state is present.
-    engine_thread_s: Mapping[str, float] = field(default_factory=dict)
-
-
-class _Histogram:
-    """Fixed buckets, updated under the telemetry lock."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def snapshot(self) -> HistogramSnapshot:
-        return HistogramSnapshot(self.bounds, tuple(self.counts), self.sum, sum(self.counts))
+def queue_depths(occupancy: Occupancy) -> dict[str, int]:
+    """Requests queued by kind: every kind of QUEUE_KINDS, then any other the occupancy names."""
+    return dict.fromkeys(QUEUE_KINDS, 0) | dict(occupancy.queue_depth)
 
 
 class _Rate:
@@ -207,154 +138,309 @@ class _Rate:
         return total / span if span > 0 else 0.0
 
 
+class _OccupancyCollector:
+    """The slot, run, queue and future gauges, from one read of the occupancy source per collection (so
+    they agree with each other, and the service lock is taken once)."""
+
+    def __init__(self, read: Callable[[], Occupancy]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        o = self._read()
+        yield GaugeMetricFamily("loraplex_slots_used", "Adapter slots holding a run.", value=o.slots_used)
+        yield GaugeMetricFamily(
+            "loraplex_slots_total", "Adapter slots of the engine (--max-slots).", value=o.slots_total
+        )
+        yield GaugeMetricFamily(
+            "loraplex_runs_parked", "Runs whose state is parked on disk.", value=o.runs_parked
+        )
+        yield GaugeMetricFamily(
+            "loraplex_runs_waiting", "Runs with queued work but no slot.", value=o.runs_waiting
+        )
+        depth = GaugeMetricFamily(
+            "loraplex_queue_depth",
+            "Requests queued, by kind (sample: sampling requests not finished, waiting or generating).",
+            labels=("kind",),
+        )
+        for kind, count in queue_depths(o).items():
+            depth.add_metric((kind,), count)
+        yield depth
+        yield GaugeMetricFamily(
+            "loraplex_futures_pending", "Requests whose future has no outcome yet.", value=o.futures_pending
+        )
+
+
 class Telemetry:
-    """Counters, histograms and recent passes of one server; see the module docstring for the API."""
+    """The metrics of one server in a registry of its own, and the console's rates and recent passes;
+    see the module docstring for the API."""
 
     def __init__(
-        self, device: str = "", clock: Callable[[], float] = time.monotonic, window_s: int = 10
+        self,
+        device: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        window_s: int = 10,
+        model_name: str = "",
     ) -> None:
-        self.device = device
+        self.device = device  # as the engine names it; with the device's own name once reported
         self.clock = clock
         self.occupancy_source: Callable[[], Occupancy] = Occupancy
+        self.registry = CollectorRegistry()
         self._started = clock()
-        self._lock = threading.Lock()
+        self._model_name = model_name
+        self._lock = threading.Lock()  # the console's plain state: rates and recent passes
         self._train_rate, self._decode_rate = _Rate(window_s), _Rate(window_s)
         self._recent: deque[PassRecord] = deque(maxlen=_RECENT_PASSES)
-        self._pass_s, self._optim_s = _Histogram(PASS_BUCKETS_S), _Histogram(OPTIM_BUCKETS_S)
-        self._sampler_s = _Histogram(DECODE_BUCKETS_S)
-        self._db_s: dict[str, _Histogram] = {}
-        self._passes = self._pass_tokens = self._pass_requests = self._pass_runs = self._pass_tenants = 0
-        self._optim_steps = self._optim_step_runs = 0
-        self._sampler_steps = self._decode_tokens = self._prefill_tokens = 0
-        self._complete = 0
-        self._failed: dict[str, int] = {}
-        self._usage = EngineUsage()
-        self._engine_thread_s: dict[str, float] = dict.fromkeys(ENGINE_THREAD_STATES, 0.0)
+        self._usage = EngineUsage()  # the engine's last; its token counters are cumulative (engine thread)
+        self._define_metrics()
+        self.registry.register(_OccupancyCollector(lambda: self.occupancy_source()))
 
-    # --- recording (engine loop, futures, store)
+    def _define_metrics(self) -> None:
+        """Every metric the telemetry records, with the names, labels and help /metrics has always had."""
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, registry=r)
+
+        self._passes = counter(
+            "loraplex_passes", "Training passes run (forward and forward_backward, packed)."
+        )
+        self._pass_tokens = counter(
+            "loraplex_pass_tokens", "Datum tokens of the requests packed into passes."
+        )
+        self._pass_requests = counter("loraplex_pass_requests", "Requests packed into passes.")
+        self._pass_runs = counter("loraplex_pass_runs", "Runs packed into passes, summed over passes.")
+        self._pass_tenants = counter(
+            "loraplex_pass_tenants", "Tenants packed into passes, summed over passes."
+        )
+        self._pass_s = Histogram(
+            "loraplex_pass_duration_seconds",
+            "Duration of one training pass.",
+            buckets=PASS_BUCKETS_S,
+            registry=r,
+        )
+        self._optim_steps = counter("loraplex_optim_steps", "Fused optimizer steps run.")
+        self._optim_step_runs = counter("loraplex_optim_step_runs", "Runs stepped, summed over fused steps.")
+        self._optim_s = Histogram(
+            "loraplex_optim_step_duration_seconds",
+            "Duration of one fused optimizer step.",
+            buckets=OPTIM_BUCKETS_S,
+            registry=r,
+        )
+        self._sampler_steps = counter(
+            "loraplex_sampler_steps", "Sampler steps run (admission, prefill, one decode step)."
+        )
+        self._decode_tokens = counter("loraplex_decode_tokens", "Tokens the sampler generated.")
+        self._prefill_tokens = counter("loraplex_prefill_tokens", "Prompt tokens the sampler prefilled.")
+        self._sampler_s = Histogram(
+            "loraplex_sampler_step_duration_seconds",
+            "Duration of one sampler step (admissions' prefill and one decode step of every active "
+            "sequence).",
+            buckets=DECODE_BUCKETS_S,
+            registry=r,
+        )
+        self._engine_busy_s = counter(
+            "loraplex_engine_busy_seconds",
+            "Wall seconds the engine thread spent inside engine calls; its duty cycle is this over "
+            "loraplex_engine_thread_seconds_total of the states engine, durable and other.",
+        )
+        engine_thread_s = Counter(
+            "loraplex_engine_thread_seconds",
+            "Wall seconds of the engine thread by state: engine (inside engine calls), durable (waiting for "
+            "an earlier outcome to be written), held (work the scheduler holds back), idle, other "
+            "(planning, bookkeeping).",
+            ("state",),
+            registry=r,
+        )
+        self._engine_thread_s = {state: engine_thread_s.labels(state) for state in ENGINE_THREAD_STATES}
+        self._db_s = Histogram(
+            "loraplex_db_call_duration_seconds",
+            "Duration of one database call, by Store method.",
+            ("op",),
+            buckets=DB_BUCKETS_S,
+            registry=r,
+        )
+        finished = Counter(
+            "loraplex_futures_finished",
+            "Futures finished, by state (complete or failed).",
+            ("state",),
+            registry=r,
+        )
+        self._complete, self._failed = finished.labels("complete"), finished.labels("failed")
+        self._errors = Counter(
+            "loraplex_errors",
+            "Errors by category (user, capacity, server) and where they were reported: an HTTP error "
+            "response, or a request's future that failed.",
+            ("category", "source"),
+            registry=r,
+        )
+        for category in ERROR_CATEGORIES:  # every series from the start, so rate() sees the first error
+            self._errors.labels(category, "response")
+            self._errors.labels(category, "future")
+        self._kv_cache_bytes = gauge("loraplex_kv_cache_bytes", "KV cache storage the sampler holds.")
+        self._kv_cache_tokens = gauge(
+            "loraplex_kv_cache_tokens", "Tokens cached in the KV cache's rows in use."
+        )
+        self._sequences = gauge("loraplex_sampling_sequences", "Sequences decoding (KV cache rows in use).")
+        # Not in the registry until the engine reports a value (off CUDA it never does).
+        self._device_memory = tuple(
+            Gauge(name, doc, registry=None)
+            for name, doc in zip(DEVICE_MEMORY_METRICS, _DEVICE_MEMORY_HELP, strict=True)
+        )
+        self._device_memory_unreported = set(self._device_memory)
+        self._info = Gauge(
+            "loraplex_server_info",
+            "Always 1; labels name the model served and the device.",
+            ("model", "device"),
+            registry=r,
+        )
+        self._device_named = self.device  # the info gauge's device label
+        self._info.labels(self._model_name, self.device).set(1)
+        gauge("loraplex_uptime_seconds", "Seconds since the service started.").set_function(
+            lambda: self.clock() - self._started
+        )
+
+    # --- recording (engine loop, futures, store, request observer)
     def record_pass(self, tokens: int, requests: int, runs: int, tenants: int, duration_s: float) -> None:
         """One packed training pass of `requests` requests of `runs` runs of `tenants` tenants."""
         now = self.clock()
+        self._passes.inc()
+        self._pass_tokens.inc(tokens)
+        self._pass_requests.inc(requests)
+        self._pass_runs.inc(runs)
+        self._pass_tenants.inc(tenants)
+        self._pass_s.observe(duration_s)
         record = PassRecord(now - self._started, tokens, requests, runs, tenants, duration_s)
         with self._lock:
-            self._passes += 1
-            self._pass_tokens += tokens
-            self._pass_requests += requests
-            self._pass_runs += runs
-            self._pass_tenants += tenants
-            self._pass_s.observe(duration_s)
             self._train_rate.add(now, tokens)
             self._recent.append(record)
 
     def record_optim_step(self, runs: int, duration_s: float) -> None:
         """One fused optimizer step over `runs` runs."""
-        with self._lock:
-            self._optim_steps += 1
-            self._optim_step_runs += runs
-            self._optim_s.observe(duration_s)
+        self._optim_steps.inc()
+        self._optim_step_runs.inc(runs)
+        self._optim_s.observe(duration_s)
 
     def record_sampler_step(self, duration_s: float, usage: EngineUsage) -> None:
         """One sampler step (admission, prefill, one decode step); `usage` is the engine's right after it,
         whose cumulative token counters the step's tokens are read from."""
         now = self.clock()
+        self._sampler_steps.inc()
+        self._sampler_s.observe(duration_s)
+        drawn = self._take_usage(usage)
         with self._lock:
-            drawn = max(0, usage.sampled_tokens - self._usage.sampled_tokens)
-            self._prefill_tokens += max(0, usage.prefill_tokens - self._usage.prefill_tokens)
-            self._decode_tokens += drawn
-            self._sampler_steps += 1
-            self._sampler_s.observe(duration_s)
             self._decode_rate.add(now, drawn)
-            self._usage = usage
 
     def record_usage(self, usage: EngineUsage) -> None:
         """The engine's memory and KV cache now (the loop calls this about once a second)."""
-        with self._lock:
-            self._prefill_tokens += max(0, usage.prefill_tokens - self._usage.prefill_tokens)
-            self._decode_tokens += max(0, usage.sampled_tokens - self._usage.sampled_tokens)
-            self._usage = usage
+        self._take_usage(usage)
 
     def record_engine_thread(self, seconds: Mapping[str, float]) -> None:
-        """Wall seconds the engine thread spent in each state during one cycle of its loop."""
-        with self._lock:
-            for state, spent in seconds.items():
-                self._engine_thread_s[state] = self._engine_thread_s.get(state, 0.0) + spent
+        """Wall seconds the engine thread spent in each state of ENGINE_THREAD_STATES during one cycle."""
+        for state, spent in seconds.items():
+            self._engine_thread_s[state].inc(spent)
+        self._engine_busy_s.inc(seconds.get("engine", 0.0))
 
     def record_outcomes(self, complete: int, failed: Mapping[str, int]) -> None:
         """Futures finished: `complete` with a result, `failed` per error category."""
-        with self._lock:
-            self._complete += complete
-            for category, count in failed.items():
-                self._failed[category] = self._failed.get(category, 0) + count
+        self._complete.inc(complete)
+        for category, count in failed.items():
+            self._failed.inc(count)
+            self._errors.labels(category, "future").inc(count)
 
     def record_db_call(self, op: str, duration_s: float) -> None:
         """One Store call, named by its method."""
-        with self._lock:
-            histogram = self._db_s.get(op)
-            if histogram is None:
-                histogram = self._db_s[op] = _Histogram(DB_BUCKETS_S)
-            histogram.observe(duration_s)
+        self._db_s.labels(op).observe(duration_s)
+
+    def record_response_error(self, category: str) -> None:
+        """One HTTP error response of an error category (the API's request observer calls this)."""
+        self._errors.labels(category, "response").inc()
+
+    def _take_usage(self, usage: EngineUsage) -> int:
+        """Count the tokens the engine's counters moved by since the last usage, set the memory and KV cache
+        gauges from it, and name the device once the engine does; returns the tokens drawn since."""
+        last, self._usage = self._usage, usage
+        drawn = max(0, usage.sampled_tokens - last.sampled_tokens)
+        self._decode_tokens.inc(drawn)
+        self._prefill_tokens.inc(max(0, usage.prefill_tokens - last.prefill_tokens))
+        self._kv_cache_bytes.set(usage.kv_cache_bytes)
+        self._kv_cache_tokens.set(usage.kv_cache_tokens)
+        self._sequences.set(usage.sequences)
+        memory = (usage.device_allocated_bytes, usage.device_reserved_bytes, usage.device_total_bytes)
+        for gauge, value in zip(self._device_memory, memory, strict=True):
+            if value is not None:
+                gauge.set(value)
+                if gauge in self._device_memory_unreported:
+                    self._device_memory_unreported.discard(gauge)
+                    self.registry.register(gauge)
+        if usage.device_name != last.device_name:
+            self._name_device(usage.device_name)
+        return drawn
+
+    def _name_device(self, device_name: str) -> None:
+        """Relabel the info gauge with the device's own name (the new series first, so none is missing)."""
+        old = self._device_named
+        new = f"{self.device} ({device_name})" if device_name else self.device
+        self._info.labels(self._model_name, new).set(1)
+        self._device_named = new
+        if old != new:
+            self._info.remove(self._model_name, old)
 
     # --- reading
     def snapshot(self) -> ServerSnapshot:
-        """Everything at this moment; any thread (takes the service lock briefly for the occupancy)."""
+        """The registry's values now, with the rates and recent passes; any thread (takes the service lock
+        briefly for the occupancy)."""
         occupancy = self.occupancy_source()
-        depth = dict.fromkeys(QUEUE_KINDS, 0) | dict(occupancy.queue_depth)
         now = self.clock()
         with self._lock:
-            usage, recent = self._usage, tuple(self._recent)
-            totals = Totals(
-                self._passes,
-                self._pass_tokens,
-                self._pass_requests,
-                self._pass_runs,
-                self._pass_tenants,
-                self._optim_steps,
-                self._optim_step_runs,
-                self._sampler_steps,
-                self._decode_tokens,
-                self._prefill_tokens,
-                self._complete,
-                dict(self._failed),
-            )
+            recent = tuple(self._recent)
             train_rate = self._train_rate.per_second(now, self._started)
             decode_rate = self._decode_rate.per_second(now, self._started)
-            histograms = (self._pass_s.snapshot(), self._optim_s.snapshot(), self._sampler_s.snapshot())
-            db = {op: h.snapshot() for op, h in self._db_s.items()}
-            engine_thread = dict(self._engine_thread_s)
-        device = f"{self.device} ({usage.device_name})" if usage.device_name else self.device
+        counted = (
+            self._passes,
+            self._pass_tokens,
+            self._pass_requests,
+            self._pass_runs,
+            self._pass_tenants,
+            self._optim_steps,
+            self._optim_step_runs,
+            self._sampler_steps,
+            self._decode_tokens,
+            self._prefill_tokens,
+            self._complete,
+        )
+        errors = read_values(self._errors, "_total").items()
+        failed = {category: int(n) for (category, source), n in errors if source == "future" and n > 0}
+        device_memory = (
+            None if gauge in self._device_memory_unreported else int(read_value(gauge))
+            for gauge in self._device_memory
+        )
+        kv_cache = (
+            int(read_value(gauge)) for gauge in (self._kv_cache_bytes, self._kv_cache_tokens, self._sequences)
+        )
         return ServerSnapshot(
             uptime_s=now - self._started,
-            device=device,
+            device=self._device_named,
             slots_used=occupancy.slots_used,
             slots_total=occupancy.slots_total,
             runs_parked=occupancy.runs_parked,
             runs_waiting=occupancy.runs_waiting,
-            queue_depth=depth,
+            queue_depth=queue_depths(occupancy),
             futures_pending=occupancy.futures_pending,
             train_tokens_per_s=train_rate,
             decode_tokens_per_s=decode_rate,
             last_pass=recent[-1] if recent else None,
             recent_passes=recent,
-            memory=Memory(
-                _process_rss_bytes(),
-                usage.device_allocated_bytes,
-                usage.device_reserved_bytes,
-                usage.device_total_bytes,
+            memory=Memory(process_rss_bytes(), *device_memory),
+            kv_cache=KvCache(*kv_cache),
+            totals=Totals(
+                *(int(read_value(counter, "_total")) for counter in counted), futures_failed=failed
             ),
-            kv_cache=KvCache(usage.kv_cache_bytes, usage.kv_cache_tokens, usage.sequences),
-            totals=totals,
-            pass_duration=histograms[0],
-            optim_step_duration=histograms[1],
-            sampler_step_duration=histograms[2],
-            db_call_duration=db,
-            engine_thread_s=engine_thread,
+            pass_duration=read_histograms(self._pass_s)[()],
+            optim_step_duration=read_histograms(self._optim_s)[()],
+            sampler_step_duration=read_histograms(self._sampler_s)[()],
+            db_call_duration={op: h for (op,), h in read_histograms(self._db_s).items()},
+            engine_thread_s={state: read_value(c, "_total") for state, c in self._engine_thread_s.items()},
         )
-
-
-def _process_rss_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc), or None where it cannot be read."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
