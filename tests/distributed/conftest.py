@@ -8,7 +8,7 @@ its float64 twin measures the reference's rounding error (`ReferenceEngine`).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 
 from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
 from loraplex.engine.distributed.group import RankEnv
 from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine, build_local_engine
-from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult
+from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult, PreparedStep
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
@@ -61,6 +60,7 @@ class ReferenceEngine(LocalEngine):
     def __init__(self, decoder: Decoder, info: EngineInfo, max_slots: int, exact: LocalEngine) -> None:
         super().__init__(decoder, info, max_slots)
         self.exact = exact
+        self._exact_step: PreparedStep | None = None  # the twin's step, prepared with the reference's
 
     def create_slot(self, config: LoraConfig) -> int:
         slot = super().create_slot(config)
@@ -81,15 +81,18 @@ class ReferenceEngine(LocalEngine):
             for r, x in zip(results, exact, strict=True)
         ]
 
-    def optim_step(
-        self,
-        steps: dict[int, AdamParams],
-        keep_undo: bool = False,
-        reduce_gradients: Callable[[list[Tensor]], None] | None = None,
-    ) -> dict[int, dict[str, float]]:
-        metrics = super().optim_step(steps, keep_undo, reduce_gradients)
-        self.exact.optim_step(steps, keep_undo)
-        return metrics
+    def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
+        prepared = super().prepare_step(steps)
+        self._exact_step = self.exact.prepare_step(steps)
+        return prepared
+
+    def apply_step(self, prepared: PreparedStep) -> None:
+        super().apply_step(prepared)
+        self.exact.apply_step(self._exact_step)
+
+    def abort_step(self, prepared: PreparedStep) -> None:
+        super().abort_step(prepared)
+        self.exact.abort_step(self._exact_step)
 
     def undo_last(self) -> None:
         super().undo_last()
