@@ -16,6 +16,7 @@ these requests ever reads as pending again. No tensors, no HTTP.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import shutil
@@ -174,8 +175,12 @@ class JournalWriter:
                 log.warning("writing %d records failed (attempt %d): %s", len(entries), attempt + 1, exc)
                 time.sleep(pause_s)
         for entry in entries:
-            self._futures.settle(rows[id(entry)], is_written=True)
-            entry.receipt.settle(True)
+            settle = functools.partial(self._futures.settle, rows[id(entry)], is_written=True)
+            if entry.record.is_held_until_applied:
+                entry.receipt.settle(True, publish=settle)
+            else:
+                settle()
+                entry.receipt.settle(True)
             for directory in entry.record.obsolete:
                 shutil.rmtree(directory, ignore_errors=True)
         return None

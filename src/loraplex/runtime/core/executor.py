@@ -112,12 +112,6 @@ class Executor:
         if not durable:
             undo()
 
-    def _write_through(self, record: Record) -> bool:
-        """Queue a record and wait until it is durable (True) or known never to be (False)."""
-        receipt = self.journal.append(record)
-        with self.meter.state(DURABLE):
-            return receipt.wait()
-
     # --- work
     def execute(self, work: Work) -> None:
         """One work item; an unexpected failure fails its requests (as server errors), never the loop."""
@@ -190,7 +184,7 @@ class Executor:
         start = time.perf_counter()
         prepared = self.engine.prepare_step(steps)  # type: ignore[arg-type]
         prepare_s = time.perf_counter() - start
-        record = Record(is_undone_if_unwritten=True)
+        record = Record(is_undone_if_unwritten=True, is_held_until_applied=True)
         for run, entry in items:
             metrics = prepared.metrics[run.slot]  # type: ignore[index]
             # A skipped step's grad_norm is NaN or inf, which JSON cannot carry and the SDK's float metrics
@@ -200,7 +194,10 @@ class Executor:
             record.facts.append(
                 MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, OPTIM_STEP, metrics)
             )
-        if not self._write_through(record):
+        receipt = self.journal.append(record)
+        with self.meter.state(DURABLE):
+            durable = receipt.wait()
+        if not durable:
             self.engine.abort_step(prepared)
             log.warning("aborted a step of %d runs whose outcomes could not be recorded", len(items))
             return
@@ -212,11 +209,13 @@ class Executor:
             for run, _ in items:
                 self.lose(run, exc, f"training run {run.run_id} lost its state in a failed optimizer step")
                 self._free_lost_slot(run)
+            receipt.publish()
             return
         self.telemetry.record_optim_step(len(steps), prepare_s + time.perf_counter() - start)
         for run, _ in items:
             run.pending_gradients = False
             run.optim_steps += 1
+        receipt.publish()  # its waiters wake now that the kernels ran
 
     def _run_barrier(self, run: RunState, entry: Entry) -> None:
         self.settle()

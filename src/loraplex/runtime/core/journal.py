@@ -13,7 +13,8 @@ The ordering rule (docs/ARCHITECTURE.md, "Durability"):
   (`Engine.undo_last`, or freeing a created slot), so a client told "nothing was kept" never finds its
   work kept.
 - An optimizer step's outcome is known before its kernels run (`Engine.prepare_step`): its record is
-  written first and the kernels run only once it is durable, so a step needs no copy to be taken back.
+  written first and the kernels run only once it is durable, so a step needs no copy to be taken back;
+  its waiters wake once the kernels have run (`Record.is_held_until_applied`, `Receipt.publish`).
 
 No SQL, no HTTP, no tensors.
 """
@@ -21,7 +22,7 @@ No SQL, no HTTP, no tensors.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,6 +108,9 @@ class Record:
     obsolete: list[Path] = field(default_factory=list)
     # The engine takes the call back if the record cannot be written: its requests' error says so.
     is_undone_if_unwritten: bool = False
+    # Written before the call it reports has run (an optimizer step): its waiters wake when the engine
+    # loop says the call ran (Receipt.publish), not at the commit.
+    is_held_until_applied: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.outcomes or self.facts or self.obsolete)
@@ -118,11 +122,18 @@ class Receipt:
     def __init__(self) -> None:
         self._settled = threading.Event()
         self._is_durable = False
+        self._publish: Callable[[], None] | None = None
 
-    def settle(self, is_durable: bool) -> None:
-        """Called by the writer, once."""
-        self._is_durable = is_durable
+    def settle(self, is_durable: bool, publish: Callable[[], None] | None = None) -> None:
+        """Called by the writer, once; `publish` wakes a held record's waiters."""
+        self._is_durable, self._publish = is_durable, publish
         self._settled.set()
+
+    def publish(self) -> None:
+        """Wake the waiters of a record held until applied (once its call ran); nothing otherwise."""
+        publish, self._publish = self._publish, None
+        if publish is not None:
+            publish()
 
     @property
     def is_settled(self) -> bool:
