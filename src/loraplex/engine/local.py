@@ -305,6 +305,10 @@ class LocalEngine(Engine):
         """One admission + decode step of the sampler (see sampler/generation.py)."""
         return self.sampler.step(max_prefill_tokens)
 
+    def cancel_sample(self, key: str) -> bool:
+        """Drop a waiting or generating sampling request (see sampler/generation.py)."""
+        return self.sampler.cancel(key)
+
     def has_sampling_work(self) -> bool:
         """Whether a sampling request is waiting or generating."""
         return self.sampler.has_work()
