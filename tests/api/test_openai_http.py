@@ -179,3 +179,21 @@ def test_an_unexpected_failure_is_a_500_naming_an_error_id_not_the_error(
     assert re.fullmatch(
         r"internal server error \(error id [0-9a-f]{12}; the server log has the details\)", error["message"]
     )
+
+
+def test_more_prompts_times_n_than_the_queue_holds_is_a_400_before_anything_is_queued(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    engine = FakeEngine()
+    engine.info = replace(engine.info, tokenizer_dir=str(tokenizer_dir))
+    service = Runtime.open(engine, ServerConfig(data_dir=tmp_path, max_queued_samples=4))
+    body = {"model": MODEL, "prompt": [[1, 2], [3], [4]], "n": 2}
+    with TestClient(create_app(service)) as http:
+        assert _post(http, "/v1/completions", body) == _error(
+            400,
+            "3 prompts x n=2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); "
+            "send fewer prompts or a smaller n",
+        )
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}
+        assert _post(http, "/v1/chat/completions", chat)[0] == 400
+    assert service.store.recent_futures(["local"], 10) == []
