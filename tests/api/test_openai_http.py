@@ -16,7 +16,7 @@ from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
 from loraplex.model.tiny import ensure_tiny_model
 from loraplex.runtime.assembly import Runtime
-from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.keys import KeyReadLimits, TenantResolver, create_key
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.serving.inference import InferenceService
 from tests.api.test_no_sql_on_the_loop import _guard
@@ -197,3 +197,26 @@ def test_more_prompts_times_n_than_the_queue_holds_is_a_400_before_anything_is_q
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}
         assert _post(http, "/v1/chat/completions", chat)[0] == 400
     assert service.store.recent_futures(["local"], 10) == []
+
+
+def test_past_the_key_read_budget_an_unknown_key_is_a_retryable_503_and_known_keys_still_work(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    service = _service(tmp_path, tokenizer_dir)
+    service.tenants = TenantResolver(service.store, "keys", KeyReadLimits(reads_per_s=0.001, burst=2))
+    alice = {"Authorization": f"Bearer {create_key(service.store, 'alice')}"}
+    with TestClient(create_app(service)) as http:
+        assert http.get("/v1/models", headers=alice).status_code == 200
+        unknown = http.get("/v1/models", headers={"Authorization": "Bearer tml-made-up"})
+        assert unknown.status_code == 401
+        spent = http.get("/v1/models", headers={"Authorization": "Bearer tml-made-up-too"})
+        assert (spent.status_code, spent.json()["error"]["type"], "x-should-retry" in spent.headers) == (
+            503,
+            "server_error",
+            False,
+        )
+        assert spent.json()["error"]["message"] == (
+            "this server is checking too many API keys it does not know yet (more than 0.001 a second); "
+            "try again in a moment"
+        )
+        assert http.get("/v1/models", headers=alice).status_code == 200  # remembered: no read needed
