@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,7 @@ class FakeEngine(Engine):
         self.pass_log: list[list[int | None]] = []  # slots of every run_pass call, for scheduler tests
         self.optim_log: list[list[int]] = []
         self.sample_queue: list[tuple[str, SampleRequest]] = []
+        self.holds_samples = False  # while True, sampling requests stay generating, as long ones do
         self._undo: dict[int, _Slot] | None = None
         self._step: PendingStep[tuple[dict[int, AdamParams], dict[int, float]]] = PendingStep()
 
@@ -269,8 +271,9 @@ class FakeEngine(Engine):
             state.grad = gradients
         return slot, config
 
-    # --- sampling: bigram draws from base (+ a snapshot's A @ B); every request finishes in one step.
-    # Stop strings are accepted but never match (the fake has no tokenizer); stop ids do stop.
+    # --- sampling: bigram draws from base (+ a snapshot's A @ B); every request finishes in one step
+    # (none while holds_samples). Stop strings are accepted but never match (the fake has no tokenizer);
+    # stop ids do stop.
     def validate_sample_request(self, request: SampleRequest) -> None:
         prompt = np.asarray(request.prompt)
         if prompt.ndim != 1 or len(prompt) == 0 or np.any((prompt < 0) | (prompt >= VOCAB)):
@@ -287,11 +290,20 @@ class FakeEngine(Engine):
     def step_sampler(
         self, max_prefill_tokens: int | None = None
     ) -> list[tuple[str, SampleResult | UserError]]:
+        if self.holds_samples:
+            time.sleep(0.001)  # a decode step's time: the engine loop steps again at once
+            return []
         done: list[tuple[str, SampleResult | UserError]] = []
         while self.sample_queue:
             key, request = self.sample_queue.pop(0)
             done.append((key, self._sample(request)))
         return done
+
+    def cancel_sample(self, key: str) -> bool:
+        kept = [(queued, request) for queued, request in self.sample_queue if queued != key]
+        is_queued = len(kept) < len(self.sample_queue)
+        self.sample_queue = kept
+        return is_queued
 
     def has_sampling_work(self) -> bool:
         return bool(self.sample_queue)

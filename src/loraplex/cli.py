@@ -206,17 +206,18 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     import uvicorn
 
     from loraplex.api.app import create_app
-    from loraplex.model.hub_cache import offer_tokenizer
+    from loraplex.model.hub_cache import offer_tiny_tokenizer
+    from loraplex.model.tiny import TINY_MODEL_NAME
     from loraplex.runtime.assembly import Runtime
 
     configure_logging(config.log_format, config.log_level)
     lock = hold_data_dir(config.data_dir)  # one server per data dir; `loraplex gc` checks it too
     runtime = Runtime.open(engine, config)
     info = engine.info
-    if (cached := offer_tokenizer(Path(info.tokenizer_dir), info.model_name)) is not None:
-        log.info(
-            "tokenizer of %s filed in the Hugging Face cache for local clients: %s", info.model_name, cached
-        )
+    # Only the built-in model under its own name: never a cache entry for an operator's --model-name.
+    is_builtin = config.model == "tiny" and info.model_name == TINY_MODEL_NAME
+    if is_builtin and (cached := offer_tiny_tokenizer(Path(info.tokenizer_dir))) is not None:
+        log.info("the built-in model's tokenizer is in the Hugging Face cache for local clients: %s", cached)
     log.info("model %s (%s) on device %s", info.model_name, config.model, info.device)
     log.info(
         "database %s; data in %s; auth %s", runtime.store.display_url, config.data_dir.resolve(), config.auth

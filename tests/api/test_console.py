@@ -18,7 +18,7 @@ from loraplex.api.app import create_app
 from loraplex.api.console.routes import COOKIE
 from loraplex.config import ServerConfig
 from loraplex.runtime.assembly import Runtime
-from loraplex.runtime.control.keys import ConsoleLogins, create_key, revoke_key
+from loraplex.runtime.control.keys import ConsoleLogins, KeyReadLimits, create_key, revoke_key
 from tests.api.test_http import _fb_body, _retrieve
 from tests.fakes import FakeEngine
 
@@ -170,7 +170,7 @@ def test_signing_out_ends_the_sign_in(console: Console) -> None:
 
 def test_revoking_the_key_ends_its_console_sign_in(tmp_path: Path) -> None:
     service = Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path, auth="keys"))
-    service.logins = ConsoleLogins(service.store, "keys", cache_s=0.0)
+    service.logins = ConsoleLogins(service.store, "keys", limits=KeyReadLimits(known_s=0.0))
     key = create_key(service.store, "carol")
     with TestClient(create_app(service)) as http:
         assert http.post("/console/login", data={"key": key}, follow_redirects=False).status_code == 303

@@ -16,7 +16,7 @@ from loraplex.api.app import create_app
 from loraplex.config import ServerConfig
 from loraplex.model.tiny import ensure_tiny_model
 from loraplex.runtime.assembly import Runtime
-from loraplex.runtime.control.keys import create_key
+from loraplex.runtime.control.keys import KeyReadLimits, TenantResolver, create_key
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.serving.inference import InferenceService
 from tests.api.test_no_sql_on_the_loop import _guard
@@ -179,3 +179,44 @@ def test_an_unexpected_failure_is_a_500_naming_an_error_id_not_the_error(
     assert re.fullmatch(
         r"internal server error \(error id [0-9a-f]{12}; the server log has the details\)", error["message"]
     )
+
+
+def test_more_prompts_times_n_than_the_queue_holds_is_a_400_before_anything_is_queued(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    engine = FakeEngine()
+    engine.info = replace(engine.info, tokenizer_dir=str(tokenizer_dir))
+    service = Runtime.open(engine, ServerConfig(data_dir=tmp_path, max_queued_samples=4))
+    body = {"model": MODEL, "prompt": [[1, 2], [3], [4]], "n": 2}
+    with TestClient(create_app(service)) as http:
+        assert _post(http, "/v1/completions", body) == _error(
+            400,
+            "3 prompts x n=2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); "
+            "send fewer prompts or a smaller n",
+        )
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}
+        assert _post(http, "/v1/chat/completions", chat)[0] == 400
+    assert service.store.recent_futures(["local"], 10) == []
+
+
+def test_past_the_key_read_budget_an_unknown_key_is_a_retryable_503_and_known_keys_still_work(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    service = _service(tmp_path, tokenizer_dir)
+    service.tenants = TenantResolver(service.store, "keys", KeyReadLimits(reads_per_s=0.001, burst=2))
+    alice = {"Authorization": f"Bearer {create_key(service.store, 'alice')}"}
+    with TestClient(create_app(service)) as http:
+        assert http.get("/v1/models", headers=alice).status_code == 200
+        unknown = http.get("/v1/models", headers={"Authorization": "Bearer tml-made-up"})
+        assert unknown.status_code == 401
+        spent = http.get("/v1/models", headers={"Authorization": "Bearer tml-made-up-too"})
+        assert (spent.status_code, spent.json()["error"]["type"], "x-should-retry" in spent.headers) == (
+            503,
+            "server_error",
+            False,
+        )
+        assert spent.json()["error"]["message"] == (
+            "this server is checking too many API keys it does not know yet (more than 0.001 a second); "
+            "try again in a moment"
+        )
+        assert http.get("/v1/models", headers=alice).status_code == 200  # remembered: no read needed

@@ -4,6 +4,7 @@ Runtime.sample's for the same request."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,11 @@ from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.aliases import AliasTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import SaveSnapshot
-from loraplex.runtime.core.sampling import SampleRequest, SamplingParams
+from loraplex.runtime.core.sampling import SampleRequest, SamplingBackpressureError, SamplingParams
 from loraplex.runtime.serving.inference import Generation, InferenceService, ModelNotFoundError
 from loraplex.runtime.serving.text_codec import TextCodec
-from tests.runtime.conftest import create_run, result_of
+from tests.fakes import FakeEngine
+from tests.runtime.conftest import create_run, held, result_of
 
 PROMPT = [3, 17, 9, 41]  # ids the fake engine's 64-token vocabulary has
 PARAMS = SamplingParams(max_tokens=5, temperature=1.0, seed=4)
@@ -160,3 +162,120 @@ def test_another_tenants_published_sampler_checkpoint_is_listed_and_served_until
     assert theirs not in [c.model_id for c in asyncio.run(inference.models("local"))]
     with pytest.raises(ModelNotFoundError):
         _complete(inference, theirs)
+
+
+# --- how much one request may queue, and cancelling what nobody waits for
+def _held_service(
+    service_factory, codec: TextCodec, **config
+) -> tuple[Runtime, FakeEngine, InferenceService]:
+    """A service whose sampling never finishes (requests stay generating), and its InferenceService."""
+    engine = FakeEngine()
+    engine.holds_samples = True
+    service = service_factory(engine, **config)
+    aliases = AliasTable(service.config.data_dir)
+    inference = InferenceService(
+        service.info, service.samplers, service.futures, service.sessions, service.catalog, aliases, codec
+    )
+    return service, engine, inference
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def _settled_futures(service: Runtime, tenant: str = "local") -> list[tuple[str, str | None]]:
+    """(status, error) of the tenant's futures once none is pending (fails the test after 5 s)."""
+    deadline = time.monotonic() + 5.0
+    while any(row.status == "pending" for row in service.store.recent_futures([tenant], 100)):
+        assert time.monotonic() < deadline, "futures still pending"
+        time.sleep(0.01)
+    return [(row.status, row.error) for row in service.store.recent_futures([tenant], 100)]
+
+
+def test_more_samples_than_the_queue_holds_are_refused_whole_before_anything_is_queued(
+    service_factory, codec: TextCodec
+) -> None:
+    service, engine, inference = _held_service(service_factory, codec, max_queued_samples=4)
+    generation = Generation(model="fake/bigram", prompts=[PROMPT] * 3, params=PARAMS, n=2)
+    with pytest.raises(UserError) as refused:
+        asyncio.run(inference.complete("local", generation))
+    assert str(refused.value) == (
+        "3 prompts x n=2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); send "
+        "fewer prompts or a smaller n"
+    )
+    scored = Generation(model="fake/bigram", prompts=[PROMPT], params=PARAMS, n=3, top_logprobs=1)
+    with pytest.raises(UserError, match=r"1 prompts x n=3 x 2 \(top logprobs score each choice once more\)"):
+        asyncio.run(inference.complete("local", scored))
+    assert (service.state.samples.queued_samples, engine.sample_queue) == (0, [])
+    assert service.store.recent_futures(["local"], 10) == []
+
+
+def test_a_request_that_does_not_fit_the_queue_now_is_429_with_none_of_its_prompts_queued(
+    service_factory, codec: TextCodec
+) -> None:
+    service, engine, inference = _held_service(service_factory, codec, max_queued_samples=4)
+    session = service.sessions.create("local", {})
+    sampler = service.samplers.create_sampler("local", session, 0, None, "fake/bigram")
+    service.samplers.sample("local", sampler, 0, SampleRequest(np.array(PROMPT), PARAMS, num_samples=3))
+    generation = Generation(model="fake/bigram", prompts=[PROMPT, PROMPT], params=PARAMS)
+    with pytest.raises(SamplingBackpressureError, match="3 samples are queued"):
+        asyncio.run(inference.complete("local", generation))
+    assert service.state.samples.queued_samples == 3
+    assert len(service.store.recent_futures(["local"], 10)) == len(engine.sample_queue) == 1  # Tinker's
+
+
+def test_a_cancelled_generation_leaves_the_engine_and_its_futures_fail_as_cancelled(
+    service_factory, codec: TextCodec
+) -> None:
+    service, engine, inference = _held_service(service_factory, codec)
+    generation = Generation(model="fake/bigram", prompts=[PROMPT, PROMPT[:2]], params=PARAMS, n=2)
+
+    async def cancel_while_generating() -> None:
+        task = asyncio.ensure_future(inference.complete("local", generation))
+        await _until(lambda: len(engine.sample_queue) == 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _until(lambda: engine.sample_queue == [], timeout_s=1.0)
+
+    asyncio.run(cancel_while_generating())
+    assert _settled_futures(service) == [("failed", "cancelled: the client went away")] * 2
+    assert service.state.samples.queued_samples == 0
+
+
+def test_a_prompt_that_fails_cancels_the_rest_of_its_request(service_factory, codec: TextCodec) -> None:
+    service, engine, inference = _held_service(service_factory, codec)
+    generation = Generation(model="fake/bigram", prompts=[PROMPT, [99]], params=PARAMS)  # 99: no such token
+
+    async def fail_one() -> None:
+        with pytest.raises(UserError, match="token ids in"):
+            await inference.complete("local", generation)
+        await _until(lambda: engine.sample_queue == [], timeout_s=1.0)
+
+    asyncio.run(fail_one())
+    assert _settled_futures(service) == [("failed", "cancelled: another part of the same request failed")]
+    assert service.state.samples.queued_samples == 0
+
+
+def test_a_request_cancelled_before_the_engine_loop_takes_it_never_reaches_the_engine(
+    service_factory,
+) -> None:
+    added: list[str] = []
+
+    class Logged(FakeEngine):
+        def add_sample(self, key: str, request: SampleRequest) -> None:
+            added.append(key)
+            super().add_sample(key, request)
+
+    service = service_factory(Logged())
+    session = service.sessions.create("local", {})
+    sampler = service.samplers.create_sampler("local", session, 0, None, "fake/bigram")
+    with held(service):  # the engine loop waits for the lock: the request stays in the queue
+        record = service.samplers.sample("local", sampler, 0, SampleRequest(np.array(PROMPT), PARAMS))
+        service.samplers.cancel([record.id], "the client went away")
+    done = result_of(service, record)
+    assert (done.status, done.error, done.category) == ("failed", "cancelled: the client went away", "user")
+    assert added == [] and service.state.samples.queued_samples == 0

@@ -162,6 +162,12 @@ class Engine(ABC):
         request added so far is dropped (fail them all); the sampler stays usable."""
 
     @abstractmethod
+    def cancel_sample(self, key: str) -> bool:
+        """Forget the unfinished request `key`, waiting or generating: its sequences leave the batch and
+        their KV cache rows are freed, and `step_sampler` never returns it. False if no unfinished request
+        has that key (it finished, or was never added); nothing changes then."""
+
+    @abstractmethod
     def has_sampling_work(self) -> bool:
         """Whether any sampling request is waiting or generating (step_sampler has work to do)."""
 

@@ -39,10 +39,8 @@ from loraplex.engine.types import (
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
-from loraplex.model.tiny import ensure_tiny_model
+from loraplex.model.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
-# The name the built-in model is served under unless --model-name says otherwise.
-TINY_MODEL_NAME = "loraplex/tiny"
 # Tokens per lm_head chunk: bounds the loss path's extra memory at chunk × vocab fp32 values.
 DEFAULT_LOGPROB_CHUNK = 1024
 # Sequences of one decode step (a request's samples are never split) and snapshots kept on the device.
@@ -277,6 +275,10 @@ class LocalEngine(Engine):
     ) -> list[tuple[str, SampleResult | UserError]]:
         """One admission + decode step of the sampler (see sampler/generation.py)."""
         return self.sampler.step(max_prefill_tokens)
+
+    def cancel_sample(self, key: str) -> bool:
+        """Drop a waiting or generating sampling request (see sampler/generation.py)."""
+        return self.sampler.cancel(key)
 
     def has_sampling_work(self) -> bool:
         """Whether a sampling request is waiting or generating."""

@@ -23,6 +23,9 @@ from loraplex.durable import write_directory_atomically
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
 
+# The name the built-in model is served under unless --model-name says otherwise. The "loraplex" namespace is
+# ours, so the tokenizer filed under it in a Hugging Face cache (hub_cache.py) shadows nobody's repository.
+TINY_MODEL_NAME = "loraplex/tiny"
 _SEED = 0
 _INIT_STD = 0.02  # HF's initializer_range
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.console.pages import HERE, render_fragment, render_login, render_page
 from loraplex.errors import AuthenticationError, NotFoundError
-from loraplex.runtime.control.keys import ConsoleLogins, Viewer
+from loraplex.runtime.control.keys import ConsoleLogins, KeyReadLimitError, Viewer
 from loraplex.runtime.observability.console import PAGE_ROWS, Console
 
 router = APIRouter(prefix="/console")
@@ -73,6 +73,8 @@ async def login(request: Request) -> Response:
         token, _viewer = await run_in_threadpool(logins.sign_in, key)
     except AuthenticationError as error:
         return HTMLResponse(render_login(str(error)), status_code=401, headers=_HEADERS)
+    except KeyReadLimitError as error:  # too many unknown keys being tried: this one may be valid
+        return HTMLResponse(render_login(str(error)), status_code=503, headers=_HEADERS)
     response = RedirectResponse("/console/runs", status_code=303, headers=_HEADERS)
     response.set_cookie(
         COOKIE,

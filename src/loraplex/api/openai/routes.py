@@ -1,15 +1,17 @@
 """The /v1 routes: models, aliases, completions and chat completions. Each reads, converts, runs the
-generation through the runtime's InferenceService and answers as OpenAI does. No tensors."""
+generation through the runtime's InferenceService and answers as OpenAI does; a generation whose client
+disconnects first is cancelled (disconnects.py). No tensors."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from loraplex.api.openai.auth import Inference, Tenant
+from loraplex.api.openai.disconnects import CLIENT_CLOSED_REQUEST, unless_disconnected
 from loraplex.api.openai.responses import (
     Envelope,
     chat_body,
@@ -19,7 +21,8 @@ from loraplex.api.openai.responses import (
     sse,
 )
 from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
-from loraplex.runtime.serving.inference import ModelCard
+from loraplex.runtime.serving.completions import Completion
+from loraplex.runtime.serving.inference import InferenceService, ModelCard
 
 router = APIRouter()
 
@@ -33,9 +36,10 @@ async def list_models(inference: Inference, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/completions", response_model=None)
 async def completions(
-    body: CompletionRequest, inference: Inference, tenant: Tenant
-) -> dict[str, Any] | StreamingResponse:
-    done = await inference.complete(tenant, body.to_generation(inference.codec))
+    body: CompletionRequest, inference: Inference, tenant: Tenant, request: Request
+) -> dict[str, Any] | Response:
+    if (done := await _complete(request, inference, tenant, body)) is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     envelope = Envelope.new("cmpl", body.model)
     if body.stream:
         chunks = completion_chunks(envelope, done, body.logprobs, body.includes_usage)
@@ -45,14 +49,26 @@ async def completions(
 
 @router.post("/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, inference: Inference, tenant: Tenant
-) -> dict[str, Any] | StreamingResponse:
-    done = await inference.complete(tenant, body.to_generation(inference.codec))
+    body: ChatCompletionRequest, inference: Inference, tenant: Tenant, request: Request
+) -> dict[str, Any] | Response:
+    if (done := await _complete(request, inference, tenant, body)) is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     envelope = Envelope.new("chatcmpl", body.model)
     if body.stream:
         chunks = chat_chunks(envelope, done, body.logprobs, body.includes_usage)
         return StreamingResponse(sse(chunks), media_type=_SSE)
     return chat_body(envelope, done, body.logprobs)
+
+
+async def _complete(
+    request: Request,
+    inference: InferenceService,
+    tenant: str,
+    body: CompletionRequest | ChatCompletionRequest,
+) -> list[Completion] | None:
+    """The body's completions, or None if the client went away first (its sampling is then cancelled)."""
+    work = inference.complete(tenant, body.to_generation(inference.codec))
+    return await unless_disconnected(request.receive, work)
 
 
 @router.get("/aliases")

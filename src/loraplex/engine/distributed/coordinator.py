@@ -230,6 +230,10 @@ class DistributedEngine(Engine):
         """One admission + decode step of rank 0's sampler."""
         return self.local.step_sampler(max_prefill_tokens)
 
+    def cancel_sample(self, key: str) -> bool:
+        """Drop a request from rank 0's sampler."""
+        return self.local.cancel_sample(key)
+
     def has_sampling_work(self) -> bool:
         """Whether rank 0's sampler has work."""
         return self.local.has_sampling_work()

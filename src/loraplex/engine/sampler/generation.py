@@ -143,6 +143,23 @@ class Sampler:
         self.validate(request)
         self._waiting.append((key, request))
 
+    def cancel(self, key: str) -> bool:
+        """Drop a waiting or generating request: its live cache rows are freed and its snapshot released,
+        and no step returns it. False if no unfinished request has that key."""
+        for i, (waiting, _) in enumerate(self._waiting):
+            if waiting == key:
+                del self._waiting[i]
+                return True
+        job = self._jobs.pop(key, None)
+        if job is None:
+            return False
+        for sequence in job.sequences:
+            if sequence.stop_reason is None:  # a stopped sequence freed its row when it stopped
+                self.cache.free(sequence.row)
+        if job.snapshot_id is not None:
+            self.snapshots.release(job.snapshot_id)
+        return True
+
     def has_work(self) -> bool:
         """Whether a request is waiting or generating."""
         return bool(self._waiting or self._jobs)

@@ -6,11 +6,13 @@ order to keep, so a bad request is refused at once (4xx with a body). A resent (
 first future, also when two copies race (the database's unique (sampler, seq_id) decides). A request
 stamps its sampler as it is accepted, in the same transaction as its future: retention deletes a sampler
 only if that stamp has not moved since it looked (store: delete_unused_sampler), so it never deletes one
-from under a request. No tensors, no HTTP.
+from under a request. A request nobody waits for any more can be cancelled (`cancel`: the /v1 endpoints,
+whose clients can go away; the SDK has no cancel). No tensors, no HTTP.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import replace
 
 from loraplex.engine.interface import Engine
@@ -22,7 +24,7 @@ from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.repository import SeqIdTakenError
 from loraplex.runtime.control.store.schema import SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, owner_digest
-from loraplex.runtime.core.sampling import SampleJob, SampleRequest
+from loraplex.runtime.core.sampling import SampleJob, SampleRequest, SampleRoom
 from loraplex.runtime.core.state import SharedState
 from loraplex.timestamps import utcnow
 
@@ -72,10 +74,42 @@ class SamplerService:
         )
         return sampler_id
 
-    def sample(self, tenant: str, sampler_id: str, seq_id: int, request: SampleRequest) -> FutureRecord:
+    @property
+    def max_queued_samples(self) -> int:
+        """Samples the queue holds at most (--max-queued-samples)."""
+        return self.state.samples.max_queued_samples
+
+    def reserve(self, num_samples: int) -> SampleRoom:
+        """Room for several requests' samples at once (all or nothing: SamplingBackpressureError, 429, if
+        they do not fit), for `sample(..., room=)`; `release` what is left once they are all queued."""
+        with self.state.cond:
+            return self.state.samples.reserve_room(num_samples)
+
+    def release(self, room: SampleRoom) -> None:
+        """Give back what no request took of `room`."""
+        with self.state.cond:
+            self.state.samples.release_room(room)
+
+    def cancel(self, future_ids: Iterable[str], reason: str) -> None:
+        """Drop these requests if unfinished (out of the queue, or out of the engine's batch at its next
+        cycle) and fail their futures with `reason`; finished ones keep their results."""
+        with self.state.cond:
+            for future_id in future_ids:
+                self.state.samples.cancel(future_id, reason)
+            self.state.cond.notify_all()
+
+    def sample(
+        self,
+        tenant: str,
+        sampler_id: str,
+        seq_id: int,
+        request: SampleRequest,
+        room: SampleRoom | None = None,
+    ) -> FutureRecord:
         """Queue an asample on one of the tenant's samplers; a resent (sampler, seq_id) gets its first future.
 
-        SamplingBackpressureError (429, which the SDK resends) when too much sampling is queued.
+        Its samples are counted against the queue's limit now (SamplingBackpressureError, 429, which the
+        SDK resends, when too much sampling is queued), or taken from `room`, reserved beforehand.
         """
         sampler = self.catalog.sampler(tenant, sampler_id)
         job_request = replace(request, snapshot=sampler.snapshot)
@@ -86,14 +120,14 @@ class SamplerService:
         export_owner = ""
         if sampler.export_from is not None:
             export_owner = owner_digest(self.catalog.readable_checkpoint(tenant, sampler.export_from).owner)
-        with self.state.cond:
-            self.state.samples.reserve_room(request.num_samples)
+        own_room = room is None
+        room = self.reserve(request.num_samples) if room is None else room
         record = self.futures.new(tenant, "Sample")
         try:
             self.futures.persist_sample(record, sampler_id, seq_id)
         except BaseException as error:
-            with self.state.cond:
-                self.state.samples.release_room(request.num_samples)
+            if own_room:
+                self.release(room)
             self.futures.drop(record.id)
             if isinstance(error, SeqIdTakenError):  # a copy of this request wrote its future first
                 first = self.store.future_id_for(sampler_id, seq_id)
@@ -102,6 +136,6 @@ class SamplerService:
             raise
         job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner)
         with self.state.cond:
-            self.state.samples.add(job)
+            self.state.samples.add(job, room)
             self.state.cond.notify_all()
         return record

@@ -44,6 +44,7 @@ _TIMED = frozenset(
         "save_snapshot",
         "export_snapshot",
         "add_sample",
+        "cancel_sample",
         "step_sampler",
     }
 )

@@ -1,12 +1,13 @@
 """The engine loop: the one thread that calls the Engine, cycle after cycle, and does nothing else.
 
 Each cycle takes one plan from the scheduler (residency moves, then at most one packed pass or one fused
-step with the barriers), hands newly queued sampling requests to the engine and runs one sampler step, so
-decoding and training interleave and neither starves; sampling reads immutable snapshots, so it never
-waits for a training barrier. About once a second it also fails requests stuck behind a seq_id that will
-never come and parks the runs of sessions whose lease lapsed. Outcomes go to the journal (journal.py);
-the database, retention and every other chore run on other threads (runtime/control/), so on a GPU the
-thread spends its time launching work (duty.py measures it).
+step with the barriers), drops the sampling requests cancelled since the last cycle, hands newly queued
+ones to the engine and runs one sampler step, so decoding and training interleave and neither starves;
+sampling reads immutable snapshots, so it never waits for a training barrier. About once a second it
+also fails requests stuck behind a seq_id that will never come and parks the runs of sessions whose lease
+lapsed. Outcomes go to the journal (journal.py); the database, retention and every other chore run on
+other threads (runtime/control/), so on a GPU the thread spends its time launching work (duty.py
+measures it).
 
 Supervised: a failure anywhere in a cycle fails the requests it concerns (executor.py), is logged, and
 the loop goes on after a short pause. Only an engine that reports it cannot go on (a dead data-parallel
@@ -75,13 +76,14 @@ class EngineLoop:
                     return
                 now = time.monotonic()
                 plan = self.scheduler.plan(list(self.state.active.values()), now)
+                cancels = self.state.samples.take_cancels()  # first: cancelled arrivals skip the engine
                 arrivals = self.state.samples.take_waiting()
-                if not plan and not arrivals and not self.engine.has_sampling_work():
+                if not plan and not cancels and not arrivals and not self.engine.has_sampling_work():
                     wake_at = self.scheduler.wake_at
                     with self.meter.state(IDLE if wake_at is None else HELD):
                         self.cond.wait(timeout=_LEASE_CHECK_S if wake_at is None else max(0.0, wake_at - now))
             try:
-                healthy = self._cycle(plan, arrivals)
+                healthy = self._cycle(plan, cancels, arrivals)
             except Exception:
                 log.exception("engine loop cycle failed; the loop goes on")
                 healthy = False
@@ -89,9 +91,12 @@ class EngineLoop:
                 time.sleep(_FAULT_PAUSE_S)
             self.meter.end_cycle()
 
-    def _cycle(self, plan: Plan, arrivals: list[SampleJob]) -> bool:
-        """Carry out one plan and one sampler step; False if a residency move failed."""
+    def _cycle(self, plan: Plan, cancels: dict[str, str], arrivals: list[SampleJob]) -> bool:
+        """Carry out one plan, the sampling cancellations and one sampler step; False if a residency move
+        failed."""
         start = time.perf_counter()
+        if cancels:
+            self.executor.cancel_samples(cancels)
         healthy = all([self.executor.park(run) for run in plan.parks])
         for run in plan.admits:
             self.executor.admit(run)

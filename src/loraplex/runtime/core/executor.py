@@ -49,7 +49,7 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
-from loraplex.runtime.core.sampling import SampleJob
+from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.progress import ProgressBoard
@@ -417,6 +417,13 @@ class Executor:
             self.engine.add_sample(job.future_id, job.request)
         except Exception as exc:
             self._finish_samples({job.future_id: exc})
+
+    def cancel_samples(self, reasons: dict[str, str]) -> None:
+        """Drop cancelled requests from the engine (those it holds; others never reached it) and fail their
+        futures, each with why it was cancelled."""
+        for future_id in reasons:
+            self.engine.cancel_sample(future_id)
+        self._finish_samples({future_id: SampleCancelledError(why) for future_id, why in reasons.items()})
 
     def step_sampler(self) -> None:
         """One sampler step; the requests it finished go to the journal."""

@@ -5,8 +5,10 @@ one of the caller's aliases. Each request goes through SamplerService.sample on 
 owns: one per (tenant, model), made on first use in a per-tenant session this server opens for them, so
 it returns exactly what an SDK `sample` of the same request returns. Alternatives to sampled tokens
 (top_logprobs) come from one more request that scores prompt + completion, as compute_logprobs does.
-The coroutines do their database work on worker threads, never on the caller's event loop.
-No tensors, no HTTP.
+Queue room for every sample a request may need is reserved before anything is queued (queued.py), so a
+request is refused whole or never; and its sampling is cancelled when its caller is (its client went
+away) or one of its prompts fails. The coroutines do their database work on worker threads, never on the
+caller's event loop. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 import threading
 from dataclasses import dataclass, replace
 from datetime import datetime
+from functools import partial
 
 import numpy as np
 
@@ -28,8 +31,9 @@ from loraplex.runtime.control.futures import FAILED, FutureRecord, FutureTable
 from loraplex.runtime.control.samplers import SamplerService
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
-from loraplex.runtime.core.sampling import SampleRequest, SampleResult, SamplingParams
+from loraplex.runtime.core.sampling import SampleRequest, SampleResult, SampleRoom, SamplingParams
 from loraplex.runtime.serving.completions import Choice, Completion, to_choice, to_prompt, with_top
+from loraplex.runtime.serving.queued import CLIENT_GONE, PART_FAILED, QueuedRequests
 from loraplex.runtime.serving.text_codec import TextCodec
 
 # What compute_logprobs sends: one token drawn at temperature 1 and ignored; only the prompt scores count.
@@ -158,23 +162,59 @@ class InferenceService:
 
     # --- generation
     async def complete(self, tenant: str, generation: Generation) -> list[Completion]:
-        """Every prompt's completion, in order; the prompts are sampled concurrently."""
+        """Every prompt's completion, in order; the prompts are sampled concurrently.
+
+        UserError (400) if the request needs more samples than the queue ever holds, and
+        SamplingBackpressureError (429) if they do not fit now, both before anything is queued. If this
+        coroutine is cancelled or a prompt fails, whatever it queued that is unfinished is cancelled.
+        """
+        num_samples = self._samples_needed(generation)
         model_path = await self.resolve(tenant, generation.model)
         codec = self.codec
         if generation.top_logprobs and generation.is_sampled:
             for prompt in generation.prompts:
                 self._check_room_to_score(prompt, generation.params)
-        return list(
-            await asyncio.gather(
-                *(
-                    self._complete(tenant, model_path, codec, prompt, generation)
-                    for prompt in generation.prompts
-                )
+        queued = QueuedRequests(self.samplers, self.samplers.reserve(num_samples))
+        tasks = [
+            asyncio.ensure_future(self._complete(tenant, model_path, codec, prompt, generation, queued))
+            for prompt in generation.prompts
+        ]
+        try:
+            completions = list(await asyncio.gather(*tasks))
+        except asyncio.CancelledError:  # gather has cancelled every prompt's task
+            queued.close(CLIENT_GONE)
+            raise
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            queued.close(PART_FAILED)
+            raise
+        queued.close()
+        return completions
+
+    def _samples_needed(self, generation: Generation) -> int:
+        """Samples the generation may queue in all: `n` per prompt, and as many again to score them when
+        it asks for top_logprobs; UserError if that is more than the queue holds (it never fits)."""
+        is_scored = generation.top_logprobs > 0 and generation.is_sampled
+        needed = len(generation.prompts) * generation.n * (2 if is_scored else 1)
+        limit = self.samplers.max_queued_samples
+        if needed > limit:
+            scoring = " x 2 (top logprobs score each choice once more)" if is_scored else ""
+            raise UserError(
+                f"{len(generation.prompts)} prompts x n={generation.n}{scoring} = {needed} samples, over "
+                f"the {limit} this server queues at once (--max-queued-samples); send fewer prompts or "
+                "a smaller n"
             )
-        )
+        return needed
 
     async def _complete(
-        self, tenant: str, model_path: str | None, codec: TextCodec, prompt: list[int], generation: Generation
+        self,
+        tenant: str,
+        model_path: str | None,
+        codec: TextCodec,
+        prompt: list[int],
+        generation: Generation,
+        queued: QueuedRequests,
     ) -> Completion:
         # max_tokens=0 has no Tinker form: one token is drawn, as compute_logprobs does, and dropped.
         params = generation.params if generation.is_sampled else replace(generation.params, max_tokens=1)
@@ -185,7 +225,7 @@ class InferenceService:
             prompt_logprobs=generation.scores_prompt,
             topk_prompt_logprobs=generation.top_logprobs if generation.scores_prompt else 0,
         )
-        result = await self._sample(tenant, model_path, request)
+        result = await self._sample(tenant, model_path, request, queued)
         echoed = (
             to_prompt(codec, prompt, result if generation.scores_prompt else None) if generation.echo else ()
         )
@@ -197,14 +237,21 @@ class InferenceService:
         if generation.top_logprobs:
             choices = await asyncio.gather(
                 *(
-                    self._with_top(tenant, model_path, codec, prompt, c, generation.top_logprobs)
+                    self._with_top(tenant, model_path, codec, prompt, c, generation.top_logprobs, queued)
                     for c in choices
                 )
             )
         return Completion(len(prompt), echoed, tuple(choices))
 
     async def _with_top(
-        self, tenant: str, model_path: str | None, codec: TextCodec, prompt: list[int], choice: Choice, k: int
+        self,
+        tenant: str,
+        model_path: str | None,
+        codec: TextCodec,
+        prompt: list[int],
+        choice: Choice,
+        k: int,
+        queued: QueuedRequests,
     ) -> Choice:
         """`choice` with the top-k alternatives at its tokens: prompt + its tokens scored in one request."""
         if not choice.tokens:
@@ -216,7 +263,7 @@ class InferenceService:
             topk_prompt_logprobs=k,
             prompt_logprobs_last_n=len(choice.tokens),
         )
-        return with_top(codec, choice, await self._sample(tenant, model_path, request), len(prompt))
+        return with_top(codec, choice, await self._sample(tenant, model_path, request, queued), len(prompt))
 
     def _check_room_to_score(self, prompt: list[int], params: SamplingParams) -> None:
         context = self.info.max_context_length
@@ -227,9 +274,12 @@ class InferenceService:
                 f"tokens) plus max_tokens ({max_tokens}) must stay below the context length {context}"
             )
 
-    async def _sample(self, tenant: str, model_path: str | None, request: SampleRequest) -> SampleResult:
-        """Queue `request` on the tenant's sampler of the model and wait for its result."""
-        record = await asyncio.to_thread(self._submit, tenant, model_path, request)
+    async def _sample(
+        self, tenant: str, model_path: str | None, request: SampleRequest, queued: QueuedRequests
+    ) -> SampleResult:
+        """Queue `request` on the tenant's sampler of the model, with its generation's room, and wait for
+        its result."""
+        record = await asyncio.to_thread(queued.queue, partial(self._submit, tenant, model_path, request))
         record = await self.futures.retrieve(tenant, record.id)
         while not record.is_done:
             record = await self.futures.retrieve(tenant, record.id)
@@ -239,23 +289,27 @@ class InferenceService:
         assert isinstance(record.result, SampleResult)
         return record.result
 
-    def _submit(self, tenant: str, model_path: str | None, request: SampleRequest) -> FutureRecord:
-        """Queue `request` on the tenant's sampler of the model."""
+    def _submit(
+        self, tenant: str, model_path: str | None, request: SampleRequest, room: SampleRoom
+    ) -> FutureRecord:
+        """Queue `request` on the tenant's sampler of the model, its samples taken from `room`."""
         try:
-            return self._submit_to_sampler(tenant, model_path, request)
+            return self._submit_to_sampler(tenant, model_path, request, room)
         except NotFoundError:
             # Retention removes samplers unused for a while: a new one is made, once. A second miss means
             # the weights themselves are gone.
             try:
-                return self._submit_to_sampler(tenant, model_path, request)
+                return self._submit_to_sampler(tenant, model_path, request, room)
             except NotFoundError as exc:
                 raise ModelNotFoundError(model_path or self.base_model) from exc
 
-    def _submit_to_sampler(self, tenant: str, model_path: str | None, request: SampleRequest) -> FutureRecord:
+    def _submit_to_sampler(
+        self, tenant: str, model_path: str | None, request: SampleRequest, room: SampleRoom
+    ) -> FutureRecord:
         """One try on the tenant's sampler of the model; a sampler that is gone is forgotten."""
         sampler_id = self._sampler(tenant, model_path)
         try:
-            return self.samplers.sample(tenant, sampler_id, next(self._sample_seqs), request)
+            return self.samplers.sample(tenant, sampler_id, next(self._sample_seqs), request, room)
         except NotFoundError:
             with self._lock:
                 if self._samplers.get((tenant, model_path)) == sampler_id:
