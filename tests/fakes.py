@@ -2,7 +2,9 @@
 
 The "model" is a bigram table: the logits for position t depend only on tokens[t], as
 base[tokens[t]] + (A @ B)[tokens[t]], with a real LoRA pair per slot (A seeded, B zero) trained by
-AdamW. Losses: cross_entropy, importance_sampling, ppo (docs/LOSSES.md). Deterministic, so two runs fed
+AdamW. What a request must satisfy and what each loss computes are the engine's own
+(engine/validation.py, engine/losses.py: every loss of the registry, (N,) and (N, K) targets), never
+restated here, so the fake accepts exactly what the real engine accepts. Deterministic, so two runs fed
 the same requests give bit-identical results, and it learns, so loss curves mean something.
 """
 
@@ -17,8 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from loraplex.engine.interface import Engine, EngineInfo
+from loraplex.engine.losses import compute_loss, pack_loss_inputs
 from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.types import (
     AdamParams,
@@ -30,16 +34,10 @@ from loraplex.engine.types import (
     SampleRequest,
     SampleResult,
 )
+from loraplex.engine.validation import validate_pass_request
 from loraplex.errors import CapacityError, NotFoundError, ServerError, UserError
 
 VOCAB = 64
-RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-LOSS_INPUTS = {"cross_entropy": ("target_tokens",), "importance_sampling": RL_INPUTS, "ppo": RL_INPUTS}
-LOSS_CONFIG = {
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-}
 
 
 @dataclass
@@ -102,32 +100,7 @@ class FakeEngine(Engine):
 
     # --- passes
     def validate_pass_request(self, request: PassRequest) -> None:
-        if request.loss_fn not in LOSS_INPUTS:
-            raise UserError(f"unknown loss_fn {request.loss_fn!r}; supported: {sorted(LOSS_INPUTS)}")
-        allowed = LOSS_CONFIG[request.loss_fn]
-        for key, value in request.loss_fn_config.items():
-            if key not in allowed:
-                raise UserError(
-                    f"unknown loss_fn_config key {key!r} for {request.loss_fn}; allowed: {sorted(allowed)}"
-                )
-            if not np.isfinite(value):
-                raise UserError(f"loss_fn_config[{key!r}] must be finite")
-        for i, datum in enumerate(request.datums):
-            n = len(datum.tokens)
-            for key in LOSS_INPUTS[request.loss_fn]:
-                if key not in datum.loss_fn_inputs:
-                    raise UserError(f"datum {i}: {request.loss_fn} needs loss_fn_inputs[{key!r}]")
-            if np.any((datum.tokens < 0) | (datum.tokens >= VOCAB)):
-                raise UserError(f"datum {i}: token ids must be in [0, {VOCAB})")
-            for key, value in datum.loss_fn_inputs.items():
-                if value.shape[:1] != (n,):
-                    raise UserError(
-                        f"datum {i}: loss_fn_inputs[{key!r}] has length {value.shape[0]}, expected {n}"
-                    )
-                if key == "target_tokens" and np.any((value < 0) | (value >= VOCAB)):
-                    raise UserError(f"datum {i}: target_tokens must be in [0, {VOCAB})")
-                if value.dtype.kind == "f" and not np.all(np.isfinite(value)):
-                    raise UserError(f"datum {i}: loss_fn_inputs[{key!r}] has non-finite values")
+        validate_pass_request(request, VOCAB, self.info.max_context_length)
 
     def run_pass(self, requests: list[PassRequest], keep_undo: bool = False) -> list[PassResult | UserError]:
         missing = sorted({r.slot for r in requests if r.slot is not None and r.slot not in self.slots})
@@ -139,9 +112,8 @@ class FakeEngine(Engine):
             out: list[PassResult | UserError] = []
             for request in requests:
                 try:
-                    self.validate_pass_request(request)
                     out.append(self._run_one(request))
-                except UserError as exc:
+                except UserError as exc:  # refused before anything of it ran
                     out.append(exc)
         return out
 
@@ -165,28 +137,42 @@ class FakeEngine(Engine):
             self.slots = undo
 
     def _run_one(self, request: PassRequest) -> PassResult:
+        """The request's logprobs through the bigram table, its loss by the engine's own loss code (torch
+        autograd gives dℓ/dlogprob), and the LoRA gradient from there by hand."""
         slot = self.slots[request.slot] if request.slot is not None else None
-        config = {**LOSS_CONFIG[request.loss_fn], **request.loss_fn_config}
-        outputs, total = [], 0.0
-        for datum in request.datums:
-            delta = slot.A @ slot.B if slot is not None else 0.0
-            logits = (self.base + delta)[datum.tokens]  # (N, V)
-            logits = logits - logits.max(axis=1, keepdims=True)
-            probs = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
-            targets = datum.loss_fn_inputs["target_tokens"].astype(np.int64)
-            lp = np.log(probs[np.arange(len(targets)), targets])
-            loss, grad_lp = _loss(request.loss_fn, lp, datum.loss_fn_inputs, config)
-            total += float(loss.sum())
-            outputs.append({"logprobs": lp.astype(np.float32), "elementwise_loss": loss.astype(np.float32)})
-            if not request.forward_only and slot is not None:
-                onehot = np.zeros_like(probs)
-                onehot[np.arange(len(targets)), targets] = 1.0
-                g_logits = grad_lp[:, None] * (onehot - probs)  # (N, V): dL/dlogits
+        config = validate_pass_request(request, VOCAB, self.info.max_context_length)
+        delta = slot.A @ slot.B if slot is not None else 0.0
+        logits = [(self.base + delta)[datum.tokens] for datum in request.datums]  # per datum (N, V)
+        logits = [x - x.max(axis=1, keepdims=True) for x in logits]
+        probs = [np.exp(x) / np.exp(x).sum(axis=1, keepdims=True) for x in logits]
+        targets = [_targets(datum.loss_fn_inputs["target_tokens"]) for datum in request.datums]  # (N, K)
+        lp_TK = np.concatenate(
+            [np.log(np.take_along_axis(p, k, 1)) for p, k in zip(probs, targets, strict=True)]
+        )
+        is_wide = np.asarray(request.datums[0].loss_fn_inputs["target_tokens"]).ndim == 2
+        lp = torch.tensor(lp_TK if is_wide else lp_TK[:, 0], dtype=torch.float32, requires_grad=True)
+        batch = pack_loss_inputs(request.loss_fn, config, [d.loss_fn_inputs for d in request.datums])
+        loss_T, metrics = compute_loss(request.loss_fn, lp, batch, config)
+        if not request.forward_only and slot is not None:
+            loss_T.sum().backward()
+            grad_TK = lp.grad.numpy().reshape(len(lp_TK), -1).astype(np.float64)
+            for datum, p, k, grad_NK in zip(
+                request.datums, probs, targets, np.split(grad_TK, np.cumsum(batch.lengths)[:-1]), strict=True
+            ):
+                onehot = np.zeros((len(k), k.shape[1], VOCAB))
+                np.put_along_axis(onehot, k[:, :, None], 1.0, axis=2)
+                g_logits = (grad_NK[:, :, None] * (onehot - p[:, None, :])).sum(axis=1)  # (N, V): dℓ/dlogits
                 g_delta = np.zeros((VOCAB, VOCAB))
                 np.add.at(g_delta, datum.tokens, g_logits)
                 slot.grad["A"] += g_delta @ slot.B.T
                 slot.grad["B"] += slot.A.T @ g_delta
-        return PassResult(outputs=outputs, metrics={"loss:sum": total})
+        outputs = [
+            {"logprobs": lp_N.numpy(), "elementwise_loss": loss_N.numpy()}
+            for lp_N, loss_N in zip(
+                lp.detach().split(batch.lengths), loss_T.detach().split(batch.lengths), strict=True
+            )
+        ]
+        return PassResult(outputs, {key: float(value) for key, value in metrics.items()})
 
     # --- optimizer: prepare computes every norm and metric and changes nothing; apply updates in place
     def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:
@@ -353,19 +339,7 @@ def _write(directory: Path, slot: _Slot, owner: str, arrays: dict[str, np.ndarra
     return sum(f.stat().st_size for f in directory.iterdir())
 
 
-def _loss(
-    name: str, lp: np.ndarray, inputs: dict[str, np.ndarray], config: dict[str, float]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token loss and its gradient with respect to lp (docs/LOSSES.md)."""
-    if name == "cross_entropy":
-        w = inputs.get("weights", np.ones_like(lp)).astype(np.float64)
-        return -w * lp, -w
-    q, adv = inputs["logprobs"].astype(np.float64), inputs["advantages"].astype(np.float64)
-    mask = (adv != 0) | (q != 0)
-    ratio = np.where(mask, np.exp(np.where(mask, lp - q, 0.0)), 0.0)
-    if name == "importance_sampling":
-        return -ratio * adv, -ratio * adv
-    lo, hi = config["clip_low_threshold"], config["clip_high_threshold"]
-    unclipped, clipped = ratio * adv, np.clip(ratio, lo, hi) * adv
-    takes_unclipped = unclipped <= clipped
-    return -np.minimum(unclipped, clipped), np.where(takes_unclipped & mask, -ratio * adv, 0.0)
+def _targets(target_tokens: np.ndarray) -> np.ndarray:
+    """A datum's target ids as (N, K) int64 (K = 1 for a (N,) target)."""
+    targets = np.asarray(target_tokens, dtype=np.int64)
+    return targets.reshape(len(targets), -1)

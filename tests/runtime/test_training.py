@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loraplex.engine.losses import LOSSES
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
 from loraplex.errors import NotFoundError, UserError
 from loraplex.runtime.core.commands import CreateRun, ForwardBackward, OptimStep
@@ -210,3 +211,39 @@ def test_a_create_model_whose_future_could_not_be_written_leaves_nothing_behind_
         service.training.create_run("local", session, 0, command)
     retried = service.training.create_run("local", session, 0, command)  # the SDK resends a 5xx
     assert result_of(service, retried).result == {"model_id": f"{session}:train:0", "type": "create_model"}
+
+
+@pytest.mark.parametrize("loss_fn", sorted(LOSSES))
+def test_every_loss_of_the_engines_registry_trains_through_the_runtime(service_factory, loss_fn: str) -> None:
+    # The fake engine applies the engine's own rules and loss code, so the runtime is tested on every loss
+    # the server offers: each returns per-token outputs and a finite loss, and its step moves the adapter.
+    service = service_factory()
+    run = create_run(service)
+    command = sft_pass() if loss_fn == "cross_entropy" else rl_pass(loss_fn)
+    done = result_of(service, service.training.submit("local", run, 1, command)).result
+    assert (
+        np.isfinite(done.metrics["loss:sum"]) and len(done.outputs[0]["elementwise_loss"]) == len(PHRASE) - 1
+    )
+    step = result_of(service, service.training.submit("local", run, 2, OptimStep(AdamParams())))
+    assert step.result["metrics"]["grad_norm"] > 0
+
+
+def test_a_request_the_engine_refuses_is_refused_by_the_fake_alike(service_factory) -> None:
+    # The engine refuses a request without datums and float target ids; a fake with rules of its own
+    # accepted both, and the runtime's tests then passed on requests no server would run.
+    service = service_factory()
+    run = create_run(service)
+    empty = ForwardBackward("cross_entropy", {}, [], False)
+    floats = ForwardBackward(
+        "cross_entropy",
+        {},
+        [DatumInput(PHRASE[:-1], {"target_tokens": PHRASE[1:].astype(np.float32)})],
+        False,
+    )
+    outcomes = [
+        result_of(service, service.training.submit("local", run, seq, c))
+        for seq, c in ((1, empty), (2, floats))
+    ]
+    assert [o.category for o in outcomes] == ["user", "user"]
+    assert "needs at least one datum" in outcomes[0].error
+    assert "target_tokens" in outcomes[1].error

@@ -12,14 +12,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
 from loraplex.engine.interface import Engine, EngineInfo, EngineUsage
-from loraplex.engine.losses import validate_loss_request
 from loraplex.engine.optimizer import StepPlan, apply_slots, prepare_slots
 from loraplex.engine.passes import run_pass
 from loraplex.engine.pending_step import PendingStep
@@ -36,6 +34,7 @@ from loraplex.engine.types import (
     SampleRequest,
     SampleResult,
 )
+from loraplex.engine.validation import validate_pass_request
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
@@ -108,11 +107,7 @@ class LocalEngine(Engine):
         self._validate(request)
 
     def _validate(self, request: PassRequest) -> dict[str, float]:
-        if not request.datums:
-            raise UserError("a forward/forward_backward request needs at least one datum")
-        for index, datum in enumerate(request.datums):
-            _check_tokens(index, datum.tokens, self.info.vocab_size, self.info.max_context_length)
-        return validate_loss_request(request, self.info.vocab_size)
+        return validate_pass_request(request, self.info.vocab_size, self.info.max_context_length)
 
     def create_slot(self, config: LoraConfig) -> int:
         """A fresh adapter: A seeded from config.seed, B zero, zero accumulators, no AdamW steps."""
@@ -310,23 +305,6 @@ class LocalEngine(Engine):
     def _device_total_bytes(self) -> int | None:
         device = self.decoder.lm_head.weight.device
         return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-
-
-def _check_tokens(index: int, tokens: np.ndarray, vocab_size: int, max_length: int) -> None:
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"datum {index}: model_input must be a 1-D list of integer token ids")
-    if not 1 <= len(tokens) <= max_length:
-        raise UserError(
-            f"datum {index}: model_input has {len(tokens)} tokens; expected 1..{max_length} "
-            "(the model's context length)"
-        )
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise UserError(
-            f"datum {index}: model_input token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
 
 
 def resolve_device(device: str) -> torch.device:
