@@ -1,4 +1,7 @@
-"""Imports only point down the layers: api -> runtime -> engine -> model (docs/ARCHITECTURE.md)."""
+"""Imports only point down the layers, api -> runtime -> engine -> model, and inside the runtime the rooms
+keep their rules (docs/ARCHITECTURE.md): the engine-facing core sees no database and no other room but
+the telemetry and progress it feeds; the control plane does not serve; observability's feeds stand alone.
+"""
 
 import ast
 import sys
@@ -8,7 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "loraplex"
 
-# Per layer: top-level modules it must never import (third-party and our own upper layers).
+# Per layer or room (a path under src/loraplex): modules it must never import, third-party and our own.
 FORBIDDEN = {
     "model": {
         "fastapi",
@@ -31,6 +34,26 @@ FORBIDDEN = {
     },
     "runtime": {"torch", "fastapi", "starlette", "uvicorn", "loraplex.api", "loraplex.model"},
     "api": {"torch", "sqlalchemy", "alembic", "loraplex.model"},
+    # The engine thread's room: no SQL, and of the other rooms only what it feeds.
+    "runtime/core": {
+        "sqlalchemy",
+        "alembic",
+        "prometheus_client",
+        "loraplex.runtime.control",
+        "loraplex.runtime.serving",
+        "loraplex.runtime.observability.history",
+        "loraplex.runtime.observability.console",
+        "loraplex.runtime.assembly",
+    },
+    "runtime/control": {
+        "loraplex.runtime.serving",
+        "loraplex.runtime.observability.history",
+        "loraplex.runtime.observability.console",
+        "loraplex.runtime.assembly",
+    },
+    "runtime/serving": {"sqlalchemy", "alembic", "loraplex.runtime.assembly"},
+    "runtime/observability/telemetry.py": {"loraplex.runtime.control", "loraplex.runtime.serving"},
+    "runtime/observability/progress.py": {"loraplex.runtime.control", "loraplex.runtime.serving"},
 }
 
 
@@ -45,24 +68,27 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
-def _violations(layer: str) -> list[str]:
+def _violations(part: str) -> list[str]:
     found = []
-    for path in sorted((PACKAGE / layer).rglob("*.py")):
+    root = PACKAGE / part
+    for path in sorted([root] if root.is_file() else root.rglob("*.py")):
         for name in _imported_modules(path):
-            for banned in FORBIDDEN[layer]:
+            for banned in FORBIDDEN[part]:
                 if name == banned or name.startswith(banned + "."):
                     found.append(f"{path.relative_to(PACKAGE)} imports {name}")
     return found
 
 
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
-def test_layer_imports_only_point_down(layer: str) -> None:
-    assert _violations(layer) == []
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_imports_only_point_down_and_rooms_keep_their_rules(part: str) -> None:
+    assert _violations(part) == []
 
 
 def test_the_check_catches_a_forbidden_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "loraplex"
-    (fake / "runtime").mkdir(parents=True)
+    (fake / "runtime" / "core").mkdir(parents=True)
     (fake / "runtime" / "bad.py").write_text("import torch\n")
+    (fake / "runtime" / "core" / "loop.py").write_text("from loraplex.runtime.control.store import Store\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert _violations("runtime") == ["runtime/bad.py imports torch"]
+    assert _violations("runtime/core") == ["runtime/core/loop.py imports loraplex.runtime.control.store"]

@@ -17,14 +17,16 @@ these requests ever reads as pending again. No tensors, no HTTP.
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import math
 import queue
 import shutil
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from loraplex.errors import ServerError
@@ -45,7 +47,6 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE
-from loraplex.runtime.observability.history import metric_row
 from loraplex.timestamps import utcnow
 
 log = logging.getLogger(__name__)
@@ -224,13 +225,15 @@ def _outcome_rows(record: Record) -> list[tuple[FutureOutcome, Result | None]]:
     ]
 
 
-def _batch(records: Sequence[Record], rows: dict[int, list[tuple[FutureOutcome, Any]]], now: Any) -> Batch:
+def _batch(
+    records: Sequence[Record], rows: dict[int, list[tuple[FutureOutcome, Any]]], now: datetime
+) -> Batch:
     """The rows of the records, in the order the records came."""
     batch = Batch(outcomes=[row for row_list in rows.values() for row, _ in row_list])
     for record in records:
         for fact in record.facts:
             if isinstance(fact, MetricsRecorded):
-                batch.metrics.append(metric_row(fact, now))
+                batch.metrics.append(_metric_row(fact, now))
                 if fact.kind == OPTIM_STEP:
                     batch.last_steps[fact.run_id] = fact.step
             elif isinstance(fact, RunCreated):
@@ -244,7 +247,21 @@ def _batch(records: Sequence[Record], rows: dict[int, list[tuple[FutureOutcome, 
     return batch
 
 
-def _run_row(fact: RunCreated, now: Any) -> RunRow:
+def _metric_row(entry: MetricsRecorded, recorded_at: datetime) -> dict[str, Any]:
+    """The history row of one request's metrics (non-finite values left out, as the SDK's results leave
+    them out)."""
+    finite = {k: v for k, v in entry.metrics.items() if math.isfinite(v)}
+    return {
+        "run_id": entry.run_id,
+        "seq_id": entry.seq_id,
+        "step": entry.step,
+        "kind": entry.kind,
+        "metrics": json.dumps(finite),
+        "recorded_at": recorded_at,
+    }
+
+
+def _run_row(fact: RunCreated, now: datetime) -> RunRow:
     return RunRow(
         id=fact.run_id,
         session_id=fact.session_id,
@@ -258,7 +275,7 @@ def _run_row(fact: RunCreated, now: Any) -> RunRow:
     )
 
 
-def _checkpoint_row(fact: CheckpointSaved, now: Any) -> CheckpointRow:
+def _checkpoint_row(fact: CheckpointSaved, now: datetime) -> CheckpointRow:
     expires = None if fact.ttl_seconds is None else now + timedelta(seconds=fact.ttl_seconds)
     return CheckpointRow(
         run_id=fact.path.run_id,
@@ -272,7 +289,7 @@ def _checkpoint_row(fact: CheckpointSaved, now: Any) -> CheckpointRow:
     )
 
 
-def _sampler_row(fact: SamplerCreated, now: Any) -> SamplerRow:
+def _sampler_row(fact: SamplerCreated, now: datetime) -> SamplerRow:
     return SamplerRow(
         id=fact.sampler_id,
         session_id=fact.session_id,

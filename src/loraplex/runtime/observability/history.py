@@ -1,23 +1,21 @@
 """Each run's metric history: every forward_backward's and forward's metrics (loss:sum, ...) and every
 optim_step's (grad_norm, learning_rate), for the web console's charts.
 
-The engine loop puts each finished request's metrics in the record of its engine call
-(core/journal.py: MetricsRecorded), and the writer stores them in the same transaction as the requests'
-outcomes (control/writer.py): a request's metrics are in its run's history by the time its outcome is
-visible, and a crash loses neither one without the other. The console reads a run's history back thinned to
-a bounded number of points per kind. Retention bounds the table (control/retention.py). No tensors, no HTTP.
+The engine loop puts each finished request's metrics in the record of its engine call (core/journal.py:
+MetricsRecorded), and the writer stores them in the same transaction as the requests' outcomes
+(control/writer.py: metric_row): a request's metrics are in its run's history by the time its outcome is
+visible, and a crash loses neither one without the other. The console reads a run's history back thinned
+to a bounded number of points per kind. Retention bounds the table (control/retention.py). No tensors, no
+HTTP.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
 
 from loraplex.runtime.control.store import Store
-from loraplex.runtime.core.journal import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, MetricsRecorded
+from loraplex.runtime.core.journal import FORWARD, FORWARD_BACKWARD, OPTIM_STEP
 
 _KIND_ORDER = (FORWARD_BACKWARD, FORWARD, OPTIM_STEP)
 
@@ -30,20 +28,6 @@ class MetricSeries:
     name: str  # e.g. loss:sum, grad_norm
     points: tuple[tuple[int, float], ...]  # (step, value); thinned when the run has more than asked for
     total: int  # records of this kind the run's history holds
-
-
-def metric_row(entry: MetricsRecorded, recorded_at: datetime) -> dict[str, Any]:
-    """The history row of one request's metrics (non-finite values left out, as the SDK's results leave
-    them out)."""
-    finite = {k: v for k, v in entry.metrics.items() if math.isfinite(v)}
-    return {
-        "run_id": entry.run_id,
-        "seq_id": entry.seq_id,
-        "step": entry.step,
-        "kind": entry.kind,
-        "metrics": json.dumps(finite),
-        "recorded_at": recorded_at,
-    }
 
 
 class MetricHistory:
