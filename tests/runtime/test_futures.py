@@ -14,8 +14,7 @@ from sqlalchemy import event
 
 from loraplex.errors import UserError
 from loraplex.runtime.control.futures import FutureTable
-from loraplex.runtime.control.store import Store
-from loraplex.runtime.control.store.repository import Batch
+from loraplex.runtime.control.store import Batch, Store
 from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.journal import Record

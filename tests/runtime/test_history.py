@@ -17,8 +17,7 @@ from loraplex.cli import main
 from loraplex.engine.types import LoraConfig, PassResult
 from loraplex.runtime.control.futures import FutureTable
 from loraplex.runtime.control.retention import Retention, RetentionPolicy
-from loraplex.runtime.control.store import Store
-from loraplex.runtime.control.store.repository import Batch
+from loraplex.runtime.control.store import Batch, Store
 from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout

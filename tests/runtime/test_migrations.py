@@ -23,8 +23,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy.dialects import postgresql
 
 from loraplex.engine.types import PassResult, SampleResult
-from loraplex.runtime.control.store import Store
-from loraplex.runtime.control.store.repository import Batch
+from loraplex.runtime.control.store import Batch, Store
 from loraplex.runtime.control.store.results import decode_result
 from loraplex.runtime.control.store.schema import Base, CheckpointRow
 from loraplex.timestamps import as_utc

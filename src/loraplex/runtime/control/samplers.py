@@ -20,8 +20,7 @@ from loraplex.errors import UserError
 from loraplex.runtime.control.catalog import Catalog
 from loraplex.runtime.control.futures import FutureRecord, FutureTable
 from loraplex.runtime.control.sessions import SessionTable
-from loraplex.runtime.control.store import Store
-from loraplex.runtime.control.store.repository import SeqIdTakenError
+from loraplex.runtime.control.store import SeqIdTakenError, Store
 from loraplex.runtime.control.store.schema import SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, owner_digest
 from loraplex.runtime.core.sampling import SampleJob, SampleRequest, SampleRoom

@@ -32,8 +32,7 @@ from typing import Any
 from loraplex.errors import ServerError
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.control.futures import FutureTable, outcome_row
-from loraplex.runtime.control.store import FutureOutcome, Store
-from loraplex.runtime.control.store.repository import Batch
+from loraplex.runtime.control.store import Batch, FutureOutcome, Store
 from loraplex.runtime.control.store.schema import CheckpointRow, RunRow, SamplerRow
 from loraplex.runtime.core.journal import (
     OPTIM_STEP,

@@ -1,0 +1,125 @@
+"""The Store's connection: the SQLAlchemy engine (SQLite in WAL mode, or PostgreSQL), the schema brought
+to the newest revision as it opens (migrations/), short transactions, and the timing of every call.
+
+`StoreBase` is what the query classes of the store share (future_rows.py, metric_rows.py, repository.py);
+`time_calls` makes every public method of the assembled `Store` report its duration. No tensors, no HTTP.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Engine as SqlEngine
+from sqlalchemy.orm import Session, sessionmaker
+
+from loraplex.runtime.control.store import migrations
+from loraplex.runtime.control.store.schema import Base
+
+
+def connect(url: str) -> SqlEngine:
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+        # WAL lets the API read while the engine worker writes results; NORMAL sync is durable
+        # across a process kill (only an OS crash may lose the last transactions).
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    return engine
+
+
+class StoreBase:
+    """A database opened and migrated, and the transaction helpers every query class uses. Each public
+    method of the assembled Store reports its duration to `observe` (method name, seconds) when set: the
+    one place database latency is measured (runtime/observability/telemetry.py)."""
+
+    observe: Callable[[str, float], None] | None = None
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._engine = connect(url)
+        migrations.upgrade(self._engine)
+        self._session = sessionmaker(self._engine, expire_on_commit=False)
+        # SQLite lets one connection write at a time and makes the others poll for the lock, sleeping 1,
+        # 2, 5, 10 ... ms between tries; writers queue on a lock of ours instead and wake the moment it is
+        # free. PostgreSQL locks rows, so its writers go in parallel.
+        self._writer: AbstractContextManager[Any] = (
+            threading.Lock() if self._engine.dialect.name == "sqlite" else nullcontext()
+        )
+
+    @property
+    def display_url(self) -> str:
+        """The database URL with any password hidden, for logs."""
+        return self._engine.url.render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        self._engine.dispose()
+
+    @contextmanager
+    def _writing(self) -> Iterator[Session]:
+        """An ORM session in a write transaction, committed on exit."""
+        with self._writer, self._session.begin() as s:
+            yield s
+
+    @contextmanager
+    def _writing_core(self) -> Iterator[Connection]:
+        """A Core connection in a write transaction (the request path's prebuilt statements)."""
+        with self._writer, self._engine.begin() as connection:
+            yield connection
+
+    def _add(self, row: Base) -> None:
+        with self._writing() as s:
+            s.add(row)
+
+    def _get(self, cls: type, key: Any) -> Any:
+        with self._session() as s:
+            return s.get(cls, key)
+
+    def _all(self, query: Any) -> list[Any]:
+        with self._session() as s:
+            return list(s.scalars(query))
+
+    def _page(self, query: Any, limit: int, offset: int) -> tuple[list[Any], int]:
+        with self._session() as s:
+            total = s.scalar(select(func.count()).select_from(query.subquery())) or 0
+            return list(s.scalars(query.limit(limit).offset(offset))), total
+
+
+def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, reporting how long each call took to its store's `observe`, if set."""
+
+    @functools.wraps(method)
+    def timed(self: StoreBase, *args: Any, **kwargs: Any) -> Any:
+        observe = self.observe
+        if observe is None:
+            return method(self, *args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            observe(name, time.perf_counter() - start)
+
+    return timed
+
+
+def time_calls(store_class: type[StoreBase]) -> None:
+    """Make every public method `store_class` has, its query classes' included, report its duration."""
+    for klass in store_class.__mro__:
+        if klass is StoreBase or not issubclass(klass, StoreBase):
+            continue
+        for name, method in list(vars(klass).items()):
+            if not name.startswith("_") and name != "close" and callable(method):
+                setattr(klass, name, _timed(name, method))
