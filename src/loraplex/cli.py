@@ -353,6 +353,7 @@ _RETENTION_OPTIONS = (
     "session_timeout_s",
     "metric_retention_s",
     "max_metrics_per_run",
+    "parked_retention_s",
 )
 
 
@@ -394,14 +395,7 @@ def _doctor(args: argparse.Namespace) -> int:
     try:
         print(f"database {store.display_url}: {store.count_futures()} request results stored")
         print(f"  {store.count_metrics()} metric history records (the console's charts)")
-        policy = RetentionPolicy(
-            config.future_retention_s,
-            config.snapshot_idle_s,
-            config.session_timeout_s,
-            config.metric_retention_s,
-            config.max_metrics_per_run,
-        )
-        retention = Retention(store, layout, policy)
+        retention = Retention(store, layout, RetentionPolicy.of(config))
         removal = retention.sweep(utcnow()) if apply else retention.due(utcnow())
         paths = ", ".join(map(str, removal.checkpoints)) or "-"
         print("removed:" if apply else "retention would remove:")
@@ -412,6 +406,13 @@ def _doctor(args: argparse.Namespace) -> int:
             f"past {config.max_metrics_per_run} per run"
         )
         print(f"  {len(removal.samplers)} unreachable samplers and their snapshots")
+        parked_mib = removal.parked_bytes / 2**20
+        print(
+            f"  the parked state of {len(removal.expired_runs)} runs ({parked_mib:.1f} MiB) unused for "
+            f"{config.parked_retention_s:g} s after their session ended, and the rows of {len(removal.runs)} "
+            "of them with no checkpoint left"
+        )
+        print(f"  {len(removal.sessions)} session rows with no run or sampler left")
         print(f"  {removal.bytes / 2**20:.1f} MiB of checkpoint and snapshot files")
     finally:
         store.close()

@@ -214,6 +214,14 @@ class ServerConfig(BaseModel):
     session_timeout_s: float = Field(
         300.0, gt=0, description="Heartbeat silence after which a session's runs are parked to disk."
     )
+    parked_retention_s: float = Field(
+        604_800.0,
+        gt=0,
+        description="A run whose session finished or went silent, unused this long, loses its parked state "
+        "(weights, optimizer moments, gradients: it can then be resumed from its named checkpoints only, "
+        "which this never deletes); its row goes too if it has no checkpoints, and a session's row once it "
+        "has no runs or samplers left (s).",
+    )
 
     def resolved_database_url(self) -> str:
         """The database URL in use: the given one, else a SQLite file in the data directory."""

@@ -15,9 +15,15 @@ from loraplex.engine.types import AdamParams, SampleRequest, SamplingParams
 from loraplex.errors import NotFoundError
 from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.core.checkpoints import CheckpointPath
-from loraplex.runtime.core.commands import LoadState, OptimStep, SaveSnapshot, SaveState
+from loraplex.runtime.core.commands import (
+    CreateRunFromCheckpoint,
+    LoadState,
+    OptimStep,
+    SaveSnapshot,
+    SaveState,
+)
 from loraplex.timestamps import utcnow
-from tests.runtime.conftest import PHRASE, create_run, result_of, sft_pass, train_steps
+from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass, train_steps
 
 SHORT = {"future_retention_s": 0.3, "snapshot_idle_s": 0.2, "retention_sweep_s": 0.05}
 
@@ -214,3 +220,83 @@ def test_a_sweep_never_deletes_a_sampler_that_a_request_took_meanwhile(
     removal = service.housekeeping.sweep()
     assert removal.samplers == [] and snapshot.is_dir()
     assert result_of(service, service.futures.get(taken[0], "local")).status == "complete"
+
+
+def test_an_ended_sessions_runs_lose_their_parked_state_after_parked_retention_s_but_never_a_checkpoint(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory(session_timeout_s=0.2, parked_retention_s=0.5, retention_sweep_s=0.1)
+    kept, dropped = create_run(service, seed=1), create_run(service, seed=2)
+    train_steps(service, kept, 1)
+    train_steps(service, dropped, 1)
+    saved = service.training.submit("local", kept, 3, SaveState("keep"))
+    assert result_of(service, saved).status == "complete"
+    sessions = {run: service.training.run_state("local", run).session_id for run in (kept, dropped)}
+    for session in sessions.values():
+        service.sessions.finish(session, "local", "success")
+    parked = tmp_path / "data" / "parked"
+    _wait_until(lambda: (parked / kept).is_dir() and (parked / dropped).is_dir())  # parked once ended
+    _wait_until(lambda: not any(parked.iterdir()), timeout_s=10.0)  # ... and deleted once unused past 0.5 s
+
+    checkpoint = tmp_path / "data" / "checkpoints" / kept / "weights" / "keep"
+    assert checkpoint.is_dir()  # named checkpoints are never deleted by this
+    assert service.store.get_run(kept).status == "expired"  # its checkpoint names it: its row stays
+    _wait_until(lambda: service.store.get_run(dropped) is None)  # nothing left of it
+    assert service.state.run(kept) is None and service.state.run(dropped) is None  # nor in memory
+    _wait_until(lambda: service.store.get_session(sessions[dropped]) is None)
+    assert service.store.get_session(sessions[kept]) is not None  # still holds a run
+    with pytest.raises(NotFoundError, match=r"live state was deleted \(--parked-retention-s\)"):
+        service.training.submit("local", kept, 4, sft_pass())
+    resumed_session = service.sessions.create("local", {})
+    source = CheckpointPath.parse(f"tinker://{kept}/weights/keep")
+    resumed = service.training.create_run("local", resumed_session, 0, CreateRunFromCheckpoint(source, True))
+    assert result_of(service, resumed).status == "complete"
+
+
+def test_a_run_the_engine_loop_holds_or_a_live_session_uses_keeps_its_parked_state(
+    service_factory, tmp_path
+) -> None:
+    service = service_factory(session_timeout_s=0.2, parked_retention_s=0.3, retention_sweep_s=3600.0)
+    busy = create_run(service, seed=1)
+    train_steps(service, busy, 1)
+    service.sessions.finish(service.training.run_state("local", busy).session_id, "local", "success")
+    parked = tmp_path / "data" / "parked"
+    _wait_until(lambda: (parked / busy).is_dir())
+    time.sleep(0.4)  # unused past parked_retention_s
+    with held(service):  # a request of the parked run is queued when the sweep comes
+        waiting = service.training.submit("local", busy, 3, sft_pass(forward_only=True))
+        removal = service.housekeeping.sweep()
+    assert busy not in removal.expired_runs and (parked / busy).is_dir()
+    assert result_of(service, waiting).status == "complete"  # it came back from its parked state
+
+    # A session that heartbeats keeps its runs, however long they go unused.
+    live = create_run(service, seed=2)
+    train_steps(service, live, 1)
+    live_session = service.training.run_state("local", live).session_id
+    for _ in range(5):
+        service.sessions.heartbeat(live_session, "local")
+        time.sleep(0.1)
+    assert live not in service.housekeeping.sweep().expired_runs
+    assert service.state.run(live) is not None
+
+
+def test_doctor_reports_parked_bytes_and_the_parked_state_the_next_sweep_removes(
+    service_factory, tmp_path, capsys
+) -> None:
+    service = service_factory()
+    run = create_run(service)
+    train_steps(service, run, 1)
+    service.stop()  # parks the run
+    parked = tmp_path / "data" / "parked" / run
+    size_mib = sum(f.stat().st_size for f in parked.rglob("*") if f.is_file()) / 2**20
+    data = str(tmp_path / "data")
+    options = ["--data-dir", data, "--session-timeout-s", "0.001", "--parked-retention-s", "0.001"]
+    time.sleep(0.01)
+    assert main(["doctor", *options]) == 0
+    report = capsys.readouterr().out
+    assert "parked" in report and f"{size_mib:.1f} MiB" in report
+    assert f"the parked state of 1 runs ({size_mib:.1f} MiB) unused for 0.001 s" in report
+    assert "the rows of 1 of them with no checkpoint left" in report
+    assert parked.is_dir()  # doctor changes nothing
+    assert main(["gc", *options]) == 0
+    assert not parked.exists()

@@ -91,15 +91,12 @@ class Runtime:
             TextCodec.load(engine.info.tokenizer_dir),
         )
         recover(store, self.layout, self.state, config.max_seq_ids_ahead)
-        policy = RetentionPolicy(
-            config.future_retention_s,
-            config.snapshot_idle_s,
-            config.session_timeout_s,
-            config.metric_retention_s,
-            config.max_metrics_per_run,
-        )
         self.housekeeping = Housekeeping(
-            Retention(store, self.layout, policy), self.state, self.layout, config.retention_sweep_s
+            Retention(store, self.layout, RetentionPolicy.of(config)),
+            self.state,
+            self.sessions,
+            self.layout,
+            config.retention_sweep_s,
         )
         # The engine thread's calls are timed (core/duty.py); other threads call `engine` itself.
         meter = DutyMeter(self.telemetry)

@@ -2,7 +2,8 @@
 
 Off the engine thread (a sweep may delete gigabytes of snapshots, which must not hold up a pass) and off
 the writer's (whose commits the engine loop waits on). What queued or running requests read is spared:
-the engine loop's shared state names those directories at the moment of the sweep. No tensors, no HTTP.
+the engine loop's shared state names those directories at the moment of the sweep, and gives up only the
+runs it does not hold. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import threading
 
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.control.retention import Removal, Retention
+from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.state import SharedState
 from loraplex.timestamps import utcnow
@@ -24,8 +26,16 @@ HOUSEKEEPING = "lpx-housekeep"
 class Housekeeping:
     """Runs retention sweeps on a thread of its own."""
 
-    def __init__(self, retention: Retention, state: SharedState, layout: DiskLayout, sweep_s: float) -> None:
-        self.retention, self.state, self.layout, self.sweep_s = retention, state, layout, sweep_s
+    def __init__(
+        self,
+        retention: Retention,
+        state: SharedState,
+        sessions: SessionTable,
+        layout: DiskLayout,
+        sweep_s: float,
+    ) -> None:
+        self.retention, self.state, self.sessions = retention, state, sessions
+        self.layout, self.sweep_s = layout, sweep_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="loraplex-housekeeping", daemon=True)
 
@@ -40,8 +50,11 @@ class Housekeeping:
             self._thread.join()
 
     def sweep(self) -> Removal:
-        """One sweep now: delete what is due, except what queued or running requests read."""
-        return self.retention.sweep(utcnow(), self.state.directories_in_use(self.layout))
+        """One sweep now: delete what is due, except what queued or running requests read and the runs the
+        engine loop holds; forget lapsed sessions' leases."""
+        self.sessions.forget_lapsed()
+        in_use = self.state.directories_in_use(self.layout)
+        return self.retention.sweep(utcnow(), in_use, release=self.state.release_idle_runs)
 
     def _serve(self) -> None:
         name_os_thread(HOUSEKEEPING)

@@ -13,7 +13,7 @@ import logging
 from loraplex.engine.types import LoraConfig
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.core.checkpoints import DiskLayout
-from loraplex.runtime.core.run_queue import LOST, PARKED, RunQueue, RunState
+from loraplex.runtime.core.run_queue import EXPIRED, LOST, PARKED, RunQueue, RunState
 from loraplex.runtime.core.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def recover(store: Store, layout: DiskLayout, state: SharedState, max_seq_ids_ah
     last_seq = store.last_seq_ids()
     removed = layout.remove_staging()
     for row in store.all_runs():
+        if row.status == EXPIRED:  # its live state is gone for good: answered from its row (service.py)
+            continue
         parked = layout.parked_dir(row.id)
         status = PARKED if parked.is_dir() else LOST
         if status != row.status:

@@ -12,6 +12,13 @@
 - A run's metric history (runtime/observability/history.py: one record per forward_backward, forward or
   optim_step) keeps its newest `max_metrics_per_run` records, and goes whole once the run has not been
   used for `metric_retention_s`.
+- A run whose session finished or went silent, unused for `parked_retention_s`, loses its parked state
+  (weights, both AdamW moments, gradients: gigabytes for a large model) and its status becomes expired: it
+  can be resumed from its named checkpoints, which this never deletes. A run with no checkpoint left goes
+  whole (row and metric history). A run the engine loop holds (resident, or with requests queued) is
+  never touched: the caller's `release` takes idle runs out of the server's memory first.
+- A session's row goes once it is finished or silent for `parked_retention_s` and holds no run and no
+  sampler any more.
 - Nothing that a queued or running request reads is deleted: the caller passes those directories as
   `in_use` (the housekeeping thread reads them from the engine loop's queues), and a sampler is deleted
   only if no request stamped it since the sweep looked (store: delete_unused_sampler), so a request
@@ -22,12 +29,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from loraplex.config import ServerConfig
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import SamplerRow, SessionRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
@@ -45,6 +55,19 @@ class RetentionPolicy:
     session_timeout_s: float
     metric_retention_s: float = 2_592_000.0
     max_metrics_per_run: int = 100_000
+    parked_retention_s: float = 604_800.0
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> RetentionPolicy:
+        """The policy a server's configuration sets (each field means what its ServerConfig field says)."""
+        return cls(
+            config.future_retention_s,
+            config.snapshot_idle_s,
+            config.session_timeout_s,
+            config.metric_retention_s,
+            config.max_metrics_per_run,
+            config.parked_retention_s,
+        )
 
 
 @dataclass
@@ -55,6 +78,10 @@ class Removal:
     metrics: int = 0  # metric history records
     checkpoints: list[CheckpointPath] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)  # sampler ids; their own weight directories go too
+    expired_runs: list[str] = field(default_factory=list)  # runs whose parked state goes
+    parked_bytes: int = 0  # the size of that parked state
+    runs: list[str] = field(default_factory=list)  # of those, runs whose rows go too (no checkpoint left)
+    sessions: list[str] = field(default_factory=list)  # session rows that go
     directories: list[Path] = field(default_factory=list)  # every directory deleted, checkpoints included
     bytes: int = 0  # the size of those directories
     kept_in_use: int = 0  # due, but read by a request in flight: kept for a later sweep
@@ -62,7 +89,14 @@ class Removal:
     sampler_state: dict[str, tuple[datetime | None, Path | None]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.futures or self.metrics or self.checkpoints or self.samplers)
+        return bool(
+            self.futures
+            or self.metrics
+            or self.checkpoints
+            or self.samplers
+            or self.expired_runs
+            or self.sessions
+        )
 
 
 class Retention:
@@ -98,14 +132,44 @@ class Retention:
             removal.sampler_state[row.id] = (row.last_used_at, own if has_weights else None)
             if has_weights:
                 removal.directories.append(own)
-        removal.bytes = sum(
-            f.stat().st_size for d in removal.directories for f in d.rglob("*") if f.is_file()
-        )
+        unused_before = now - _seconds(self.policy.parked_retention_s)
+        silent_before = now - _seconds(self.policy.session_timeout_s)
+        expirable = self.store.expirable_runs(unused_before, silent_before)
+        removal.expired_runs = [row.id for row in expirable]
+        kept = self.store.runs_with_checkpoints(removal.expired_runs)
+        removal.runs = [run_id for run_id in removal.expired_runs if run_id not in kept]
+        for run_id in removal.expired_runs:
+            parked = self.layout.parked_dir(run_id)
+            if parked.is_dir():
+                removal.directories.append(parked)
+                removal.parked_bytes += _size(parked)
+        removal.sessions = self.store.reclaimable_sessions(unused_before)
+        removal.bytes = sum(_size(directory) for directory in removal.directories)
         return removal
 
-    def sweep(self, now: datetime, in_use: frozenset[Path] = frozenset()) -> Removal:
-        """Remove what is due; rows go before their files, so nothing can reference a half-deleted one."""
+    def sweep(
+        self,
+        now: datetime,
+        in_use: frozenset[Path] = frozenset(),
+        release: Callable[[list[str]], list[str]] = list,
+    ) -> Removal:
+        """Remove what is due; rows go before their files, so nothing can reference a half-deleted one.
+        `release` gets the runs due to expire and returns those it took out of the server's memory (the
+        others are busy: kept for a later sweep); a stopped server's data dir needs none (`loraplex gc`)."""
         removal = self.due(now, in_use)
+        if removal.expired_runs:
+            released = set(release(removal.expired_runs))
+            for run_id in [r for r in removal.expired_runs if r not in released]:
+                removal.expired_runs.remove(run_id)
+                if run_id in removal.runs:
+                    removal.runs.remove(run_id)
+                parked = self.layout.parked_dir(run_id)
+                if parked in removal.directories:
+                    removal.directories.remove(parked)
+            expired = [run_id for run_id in removal.expired_runs if run_id not in removal.runs]
+            self.store.expire_runs(expired, removal.runs)
+        if removal.sessions:
+            removal.sessions = self.store.delete_empty_sessions(removal.sessions)
         if removal.futures:
             self.store.prune_futures(now - _seconds(self.policy.future_retention_s))
         if removal.metrics:
@@ -123,11 +187,16 @@ class Retention:
         if removal:
             log.info(
                 "retention removed %d futures, %d metric records, %d expired checkpoints, %d unreachable "
-                "samplers",
+                "samplers, the parked state of %d runs unused for %g s (%d run rows with it), %d session "
+                "rows",
                 removal.futures,
                 removal.metrics,
                 len(removal.checkpoints),
                 len(removal.samplers),
+                len(removal.expired_runs),
+                self.policy.parked_retention_s,
+                len(removal.runs),
+                len(removal.sessions),
             )
         return removal
 
@@ -158,3 +227,13 @@ class Retention:
 
 def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
+
+
+def _size(directory: Path) -> int:
+    """Bytes of the files under a directory (what is gone meanwhile counts 0)."""
+    total = 0
+    for path in directory.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_size
+    return total

@@ -132,8 +132,10 @@ class TrainingService:
         return [failed.get(o.id, o) if isinstance(o, FutureRecord) else o for o in outcomes]
 
     def run_state(self, tenant: str, run_id: str) -> RunState:
-        """A created run of `tenant` (for get_info)."""
-        run = self._owned_run(tenant, run_id)
+        """A created run of `tenant` (for get_info); reads memory only, so the event loop may call it."""
+        run = self.state.run(run_id)
+        if run is None or run.tenant != tenant:
+            raise NotFoundError(f"training run {run_id!r} not found")
         if run.lora_config is None:
             raise NotFoundError(f"training run {run_id!r} is still being created")
         return run
@@ -231,10 +233,18 @@ class TrainingService:
         return self.futures.get(future_id, tenant)
 
     def _owned_run(self, tenant: str, run_id: str) -> RunState:
+        """A run of `tenant`; one it no longer holds is looked up in the database, to say why."""
         run = self.state.run(run_id)
-        if run is None or run.tenant != tenant:
-            raise NotFoundError(f"training run {run_id!r} not found")
-        return run
+        if run is not None and run.tenant == tenant:
+            return run
+        row = self.store.get_run(run_id) if run is None else None
+        if row is not None and row.tenant == tenant:  # retention deleted its live state
+            raise NotFoundError(
+                f"training run {run_id!r} was unused for over {self.config.parked_retention_s:g} s after its "
+                "session ended, and its live state was deleted (--parked-retention-s); resume it from one of "
+                "its checkpoints with ServiceClient.create_training_client_from_state(tinker_path)"
+            )
+        raise NotFoundError(f"training run {run_id!r} not found")
 
     def _checked_new_run(self, tenant: str, command: Command) -> Command:
         """The first command of a new run, checked, with what the engine loop needs resolved."""

@@ -82,6 +82,16 @@ class SessionTable:
         with self._lock:
             self._last_seen.pop(session_id, None)
 
+    def forget_lapsed(self) -> int:
+        """Drop the lease of every session silent past the timeout (is_live says no either way), so the map
+        holds live sessions only; return how many were dropped."""
+        deadline = time.monotonic() - self.timeout_s
+        with self._lock:
+            lapsed = [session for session, seen in self._last_seen.items() if seen <= deadline]
+            for session in lapsed:
+                del self._last_seen[session]
+        return len(lapsed)
+
     def is_live(self, session_id: str) -> bool:
         """Whether the session's lease is current (unknown sessions, e.g. after a restart, are not)."""
         with self._lock:

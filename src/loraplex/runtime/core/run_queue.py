@@ -18,8 +18,9 @@ from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
 from loraplex.runtime.core.commands import Command
 
-# A run's state word, as persisted: live in a slot, parked on disk, or lost in a restart.
-LIVE, PARKED, LOST = "live", "parked", "lost"
+# A run's state word, as persisted: live in a slot, parked on disk, lost in a restart, or expired: its
+# parked state deleted by retention after --parked-retention-s unused (control/retention.py).
+LIVE, PARKED, LOST, EXPIRED = "live", "parked", "lost", "expired"
 
 
 @dataclass

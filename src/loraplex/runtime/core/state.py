@@ -34,6 +34,21 @@ class SharedState:
         with self.cond:
             return self.runs.get(run_id)
 
+    def release_idle_runs(self, run_ids: list[str]) -> list[str]:
+        """Forget the named runs that are idle (no slot, nothing queued or being submitted), so that retention
+        may delete their state; return those forgotten. A run the server does not hold counts as released.
+        A request for a forgotten run is answered from the database (control/service.py)."""
+        released = []
+        with self.cond:
+            for run_id in run_ids:
+                run = self.runs.get(run_id)
+                if run is not None and (run.slot is not None or not run.queue.is_idle()):
+                    continue
+                self.runs.pop(run_id, None)
+                self.active.pop(run_id, None)
+                released.append(run_id)
+        return released
+
     def directories_in_use(self, layout: DiskLayout) -> frozenset[Path]:
         """Checkpoint and snapshot directories that queued commands or unfinished samples will read:
         retention must leave them be."""

@@ -22,10 +22,12 @@ from loraplex.runtime.control.store.schema import (
     ApiKeyRow,
     Base,
     CheckpointRow,
+    MetricRow,
     RunRow,
     SamplerRow,
     SessionRow,
 )
+from loraplex.runtime.core.run_queue import EXPIRED, LOST, PARKED
 from loraplex.timestamps import utcnow
 
 
@@ -270,6 +272,60 @@ class Store(FutureQueries, MetricQueries):
         """The named sessions that exist."""
         rows = self._all(select(SessionRow).where(SessionRow.id.in_(list(session_ids))))
         return {row.id: row for row in rows}
+
+    def expirable_runs(self, unused_before: datetime, silent_before: datetime) -> list[RunRow]:
+        """Runs parked or lost, unused since `unused_before`, whose session finished, went silent (no
+        heartbeat since `silent_before`) or is gone: their live state may go (retention.py)."""
+        session = select(SessionRow.id).where(
+            SessionRow.finished_reason.is_(None), SessionRow.last_heartbeat_at >= silent_before
+        )
+        query = select(RunRow).where(
+            RunRow.status.in_((PARKED, LOST)),
+            RunRow.last_request_at < unused_before,
+            RunRow.session_id.not_in(session),
+        )
+        return self._all(query.order_by(RunRow.last_request_at, RunRow.id))
+
+    def runs_with_checkpoints(self, run_ids: Sequence[str]) -> set[str]:
+        """Those of the runs that still have a named checkpoint (their rows stay: checkpoints name them)."""
+        query = select(CheckpointRow.run_id).where(CheckpointRow.run_id.in_(list(run_ids))).distinct()
+        with self._session() as s:
+            return set(s.scalars(query))
+
+    def expire_runs(self, expired: Sequence[str], deleted: Sequence[str]) -> None:
+        """Mark runs expired (their parked state is being deleted) and delete the rows, and metric history,
+        of runs that have nothing left, in one transaction."""
+        with self._writing() as s:
+            if expired:
+                s.execute(update(RunRow).where(RunRow.id.in_(list(expired))).values(status=EXPIRED))
+            if deleted:
+                s.execute(delete(MetricRow).where(MetricRow.run_id.in_(list(deleted))))
+                s.execute(delete(RunRow).where(RunRow.id.in_(list(deleted))))
+
+    def reclaimable_sessions(self, silent_before: datetime) -> list[str]:
+        """Sessions finished or silent since `silent_before` that hold no run and no sampler any more."""
+        runs = select(RunRow.session_id)
+        samplers = select(SamplerRow.session_id)
+        query = select(SessionRow.id).where(
+            SessionRow.last_heartbeat_at < silent_before,
+            SessionRow.id.not_in(runs),
+            SessionRow.id.not_in(samplers),
+        )
+        with self._session() as s:
+            return list(s.scalars(query.order_by(SessionRow.id)))
+
+    def delete_empty_sessions(self, session_ids: Sequence[str]) -> list[str]:
+        """Delete those of the sessions that still hold no run and no sampler (a new run may have come);
+        return the ones deleted."""
+        empty = (
+            SessionRow.id.in_(list(session_ids)),
+            SessionRow.id.not_in(select(RunRow.session_id)),
+            SessionRow.id.not_in(select(SamplerRow.session_id)),
+        )
+        with self._writing() as s:
+            gone = list(s.scalars(select(SessionRow.id).where(*empty)))
+            s.execute(delete(SessionRow).where(SessionRow.id.in_(gone)))
+        return gone
 
 
 time_calls(Store)

@@ -79,7 +79,7 @@ class RunRow(Base):
     base_model: Mapped[str] = mapped_column(String(300))
     lora_config: Mapped[dict] = mapped_column(JSON)
     user_metadata: Mapped[dict] = mapped_column(JSON, default=dict)
-    status: Mapped[str] = mapped_column(String(16))  # live | parked | lost (run_queue.py)
+    status: Mapped[str] = mapped_column(String(16))  # live | parked | lost | expired (run_queue.py)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # The highest seq_id the run ever accepted: where its log resumes after a restart, even once the
