@@ -300,3 +300,11 @@ def test_doctor_reports_parked_bytes_and_the_parked_state_the_next_sweep_removes
     assert parked.is_dir()  # doctor changes nothing
     assert main(["gc", *options]) == 0
     assert not parked.exists()
+
+
+def test_a_request_naming_a_run_id_no_database_can_hold_is_not_found_never_a_server_error(
+    service_factory,
+) -> None:
+    service = service_factory()
+    with pytest.raises(NotFoundError, match="not found"):  # a lone surrogate: no UTF-8 store can hold it
+        service.training.submit("local", "\ud800", 1, sft_pass())

@@ -25,7 +25,7 @@ from loraplex.runtime.control.catalog import Catalog
 from loraplex.runtime.control.futures import FutureRecord, FutureTable
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store import Store
-from loraplex.runtime.core.checkpoints import CheckpointPath, owner_digest, validate_name
+from loraplex.runtime.core.checkpoints import CheckpointPath, is_run_id, owner_digest, validate_name
 from loraplex.runtime.core.commands import (
     Command,
     CreateRun,
@@ -237,7 +237,7 @@ class TrainingService:
         run = self.state.run(run_id)
         if run is not None and run.tenant == tenant:
             return run
-        row = self.store.get_run(run_id) if run is None else None
+        row = self.store.get_run(run_id) if run is None and is_run_id(run_id) else None
         if row is not None and row.tenant == tenant:  # retention deleted its live state
             raise NotFoundError(
                 f"training run {run_id!r} was unused for over {self.config.parked_retention_s:g} s after its "

@@ -21,6 +21,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,200}")
 
 
+def is_run_id(text: str) -> bool:
+    """Whether `text` has the shape of a training run id (`{session}:train:{n}`, or a sampler id)."""
+    return _ID_RE.fullmatch(text) is not None
+
+
 def validate_name(name: str, what: str = "checkpoint name") -> str:
     """Return `name` if it is one safe path segment; else a UserError saying what is allowed."""
     if not _NAME_RE.fullmatch(name) or ".." in name:
@@ -50,7 +55,7 @@ class CheckpointPath:
             raise UserError(
                 f"invalid checkpoint path {path!r}: kind must be one of {sorted(CHECKPOINT_KINDS)}"
             )
-        if not _ID_RE.fullmatch(run_id):
+        if not is_run_id(run_id):
             raise UserError(f"invalid checkpoint path {path!r}: bad training run id")
         return cls(run_id, kind, validate_name(name))
 
