@@ -3,8 +3,8 @@ ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON 
 
 Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
 buffers. A body's declared sizes are checked against the request limits (api/limits.py) before anything
-is decompressed or densified. numpy only, no tensors; shape checks against the model are the engine's
-(validate_pass_request).
+is decompressed or densified, and each tensor's first dimension against its datum's tokens before it is
+decoded. numpy only, no tensors; shape checks against the model are the engine's (validate_pass_request).
 """
 
 from __future__ import annotations
@@ -135,31 +135,34 @@ def _datum(index: int, datum: Any) -> DatumInput:
         pieces.append(_frombuffer(f"datum {index}: model_input", chunk.encoded_text.tokens, np.dtype("<i4")))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = {
-        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t) for key, t in datum.loss_fn_inputs.items()
+        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t, len(tokens))
+        for key, t in datum.loss_fn_inputs.items()
     }
     return DatumInput(tokens, inputs)
 
 
-def _tensor(where: str, msg: Any) -> np.ndarray:
+def _tensor(where: str, msg: Any, n_tokens: int) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
         raise UserError(f"{where}: unsupported dtype {name}; use float32 or int64")
     if msg.HasField("sparse_csr"):
-        return _densify(where, msg, dtype)
-    data = _frombuffer(where, msg.dense, dtype)
-    shape = list(msg.shape) or [data.size]
-    if math.prod(shape) != data.size:
-        raise UserError(f"{where}: shape {shape} does not match its {data.size} values")
-    return data.reshape(shape)
+        return _densify(where, msg, dtype, n_tokens)
+    count = _whole_values(where, msg.dense, dtype)
+    shape = list(msg.shape) or [count]
+    if math.prod(shape) != count:
+        raise UserError(f"{where}: shape {shape} does not match its {count} values")
+    _check_first_dimension(where, shape, n_tokens)
+    return _frombuffer(where, msg.dense, dtype).reshape(shape)
 
 
-def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
+def _densify(where: str, msg: Any, dtype: np.dtype, n_tokens: int) -> np.ndarray:
     """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0, once its
     structure is whole: a broken one would drop values or misplace them without an error."""
     shape = list(msg.shape)
     if len(shape) != 2:
         raise UserError(f"{where}: a sparse CSR tensor is 2-D, got shape {shape}")
+    _check_first_dimension(where, shape, n_tokens)
     values = _frombuffer(where, msg.sparse_csr.values, dtype)
     crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
     cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
@@ -169,9 +172,26 @@ def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
     return densify(shape, values, crow, cols, fill=0)
 
 
-def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+def _check_first_dimension(where: str, shape: list[int], n_tokens: int) -> None:
+    """Every loss_fn_inputs tensor has one row per token of its datum: checked from the declared shape
+    before anything is decoded, so a datum of a few tokens cannot declare a (1_000_000, K) target (the
+    engine checks the same rule on the inputs its loss reads, engine/losses.py)."""
+    if shape[0] != n_tokens:
+        raise UserError(
+            f"{where}: shape {shape} does not start with the datum's N = {n_tokens} tokens; each "
+            "loss_fn_inputs tensor is (N,) or (N, K), N the model_input length"
+        )
+
+
+def _whole_values(where: str, raw: bytes, dtype: np.dtype) -> int:
+    """How many `dtype` values `raw` holds (UserError if its length is not a multiple)."""
     if len(raw) % dtype.itemsize:
         raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return len(raw) // dtype.itemsize
+
+
+def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    _whole_values(where, raw, dtype)
     return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
 
 
