@@ -1,10 +1,11 @@
 """Protobuf codecs: forward_backward request bytes (maybe zstd) -> ForwardBackward command; PassResult ->
 ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON forms.
 
-Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
-buffers. A body's declared sizes are checked against the request limits (api/limits.py) before anything
-is decompressed or densified, and each tensor's first dimension against its datum's tokens before it is
-decoded. numpy only, no tensors; shape checks against the model are the engine's (validate_pass_request).
+Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`); request bodies are read by
+proto_reader.py. Arrays are raw little-endian numpy buffers. A body's declared sizes are checked against
+the request limits (api/limits.py) before anything is decompressed or densified, and each tensor's first
+dimension against its datum's tokens before it is decoded. numpy only, no tensors; shape checks against
+the model are the engine's (validate_pass_request).
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import Any
 
 import numpy as np
 import zstandard
-from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from loraplex.api.limits import MIB, RequestLimits, current_limits
+from loraplex.api.tinker.proto_reader import (
+    Buffer,
+    DatumMessage,
+    ForwardBackwardMessage,
+    SparseCsrMessage,
+    TensorMessage,
+    read_forward_backward,
+)
 from loraplex.api.tinker.sparse import csr_problem, densify, to_csr
 from loraplex.errors import UserError
 from loraplex.runtime.core.commands import DatumInput, ForwardBackward, PassResult
@@ -44,7 +52,7 @@ class PayloadTooLargeError(UserError):
     status_code = 413
 
 
-def decompress(body: bytes, content_encoding: str | None) -> bytes:
+def decompress(body: Buffer, content_encoding: str | None) -> Buffer:
     """Undo Content-Encoding: zstd. A body that would decompress past the forward body limit is refused
     (413) by its frame header when that declares the size, else once that many bytes came out."""
     if not content_encoding or content_encoding == "identity":
@@ -71,25 +79,20 @@ def decompress(body: bytes, content_encoding: str | None) -> bytes:
     return b"".join(pieces)
 
 
-def parse_forward_backward(body: bytes) -> Any:
+def parse_forward_backward(body: Buffer) -> ForwardBackwardMessage:
     """The ForwardBackwardRequest message of a body (UserError if it is not one); its model_id and seq_id
     are known from here on, so what `forward_backward_command` refuses can be recorded against them."""
-    msg = pb.ForwardBackwardRequest()
-    try:
-        msg.ParseFromString(body)
-    except DecodeError as exc:
-        raise UserError(f"body is not a tinker_public.ForwardBackwardRequest protobuf: {exc}") from exc
-    return msg
+    return read_forward_backward(body)
 
 
-def forward_backward_command(msg: Any) -> ForwardBackward:
+def forward_backward_command(msg: ForwardBackwardMessage) -> ForwardBackward:
     """The command a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
     _check_declared_shapes(msg, current_limits())
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackward(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
 
 
-def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
+def _check_declared_shapes(msg: ForwardBackwardMessage, limits: RequestLimits) -> None:
     """Refuse, from the declared shapes alone, tensors that would take more memory to decode than the
     limits allow: a sparse tensor's shape costs a few bytes on the wire whatever it declares. Sizes are
     Python ints, which a huge shape cannot wrap around as numpy's int64 product can."""
@@ -113,26 +116,25 @@ def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
                 )
 
 
-def _loss_config(msg: Any) -> dict[str, float]:
+def _loss_config(msg: ForwardBackwardMessage) -> dict[str, float]:
     if not msg.loss_fn_config_v2:
         return dict(msg.loss_fn_config)
     config = {}
     for key, value in msg.loss_fn_config_v2.items():
-        if value.WhichOneof("value") != "number":
+        if value is None:
             raise UserError(
                 f"loss_fn_config[{key!r}] must be a number (server-side custom losses are not supported)"
             )
-        config[key] = value.number
+        config[key] = value
     return config
 
 
-def _datum(index: int, datum: Any) -> DatumInput:
+def _datum(index: int, datum: DatumMessage) -> DatumInput:
     pieces = []
     for chunk in datum.model_input:
-        kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise UserError(f"datum {index}: {kind} chunks are not supported; send encoded_text tokens")
-        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.encoded_text.tokens, np.dtype("<i4")))
+        if chunk.kind != "encoded_text":
+            raise UserError(f"datum {index}: {chunk.kind} chunks are not supported; send encoded_text tokens")
+        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.tokens, np.dtype("<i4")))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = {
         key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t, len(tokens))
@@ -141,13 +143,13 @@ def _datum(index: int, datum: Any) -> DatumInput:
     return DatumInput(tokens, inputs)
 
 
-def _tensor(where: str, msg: Any, n_tokens: int) -> np.ndarray:
+def _tensor(where: str, msg: TensorMessage, n_tokens: int) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
         raise UserError(f"{where}: unsupported dtype {name}; use float32 or int64")
-    if msg.HasField("sparse_csr"):
-        return _densify(where, msg, dtype, n_tokens)
+    if msg.sparse_csr is not None:
+        return _densify(where, list(msg.shape), msg.sparse_csr, dtype, n_tokens)
     count = _whole_values(where, msg.dense, dtype)
     shape = list(msg.shape) or [count]
     if math.prod(shape) != count:
@@ -156,16 +158,17 @@ def _tensor(where: str, msg: Any, n_tokens: int) -> np.ndarray:
     return _frombuffer(where, msg.dense, dtype).reshape(shape)
 
 
-def _densify(where: str, msg: Any, dtype: np.dtype, n_tokens: int) -> np.ndarray:
+def _densify(
+    where: str, shape: list[int], csr: SparseCsrMessage, dtype: np.dtype, n_tokens: int
+) -> np.ndarray:
     """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0, once its
     structure is whole: a broken one would drop values or misplace them without an error."""
-    shape = list(msg.shape)
     if len(shape) != 2:
         raise UserError(f"{where}: a sparse CSR tensor is 2-D, got shape {shape}")
     _check_first_dimension(where, shape, n_tokens)
-    values = _frombuffer(where, msg.sparse_csr.values, dtype)
-    crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
-    cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
+    values = _frombuffer(where, csr.values, dtype)
+    crow = _frombuffer(where, csr.crow_indices, np.dtype("<i8"))
+    cols = _frombuffer(where, csr.col_indices, np.dtype("<i8"))
     problem = csr_problem(shape, len(values), crow, cols)
     if problem is not None:
         raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
@@ -183,14 +186,15 @@ def _check_first_dimension(where: str, shape: list[int], n_tokens: int) -> None:
         )
 
 
-def _whole_values(where: str, raw: bytes, dtype: np.dtype) -> int:
+def _whole_values(where: str, raw: Buffer, dtype: np.dtype) -> int:
     """How many `dtype` values `raw` holds (UserError if its length is not a multiple)."""
     if len(raw) % dtype.itemsize:
         raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
     return len(raw) // dtype.itemsize
 
 
-def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+def _frombuffer(where: str, raw: Buffer, dtype: np.dtype) -> np.ndarray:
+    """A native-order copy of `raw`'s values (numpy copies with the GIL released)."""
     _whole_values(where, raw, dtype)
     return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
 
