@@ -4,13 +4,16 @@ ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON 
 Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`); request bodies are read by
 proto_reader.py. Arrays are raw little-endian numpy buffers. A body's declared sizes are checked against
 the request limits (api/limits.py) before anything is decompressed or densified, and each tensor's first
-dimension against its datum's tokens before it is decoded. numpy only, no tensors; shape checks against
-the model are the engine's (validate_pass_request).
+dimension against its datum's tokens before it is decoded. Large bodies and results go through these
+functions on the codec pool (codec_pool.py), never on the event loop. numpy only, no tensors; shape checks
+against the model are the engine's (validate_pass_request).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from loraplex.api.limits import MIB, RequestLimits, current_limits
+from loraplex.api.tinker.json_render import JsonList, dumps
 from loraplex.api.tinker.proto_reader import (
     Buffer,
     DatumMessage,
@@ -31,8 +35,7 @@ from loraplex.errors import UserError
 from loraplex.runtime.core.commands import DatumInput, ForwardBackward, PassResult
 from loraplex.runtime.core.sampling import SampleResult
 
-# Only api/tinker/training.py's Content-Length pre-check reads this; the limits in force (BodyLimit, and
-# decompress below) are lower.
+# zstd output is read this much at a time: a bomb is refused at most this far past the limit.
 _DECOMPRESS_PIECE_BYTES = MIB
 
 _DTYPES: dict[int, np.dtype] = {
@@ -42,6 +45,8 @@ _DTYPES: dict[int, np.dtype] = {
 }
 _PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# Values the JSON forms convert to Python at a time (a few milliseconds each).
+_JSON_PIECE_VALUES = 1 << 14
 # What an unscored top-k cell reads as on the wire (docs/PROTOCOL.md §7.3).
 _TOPK_EMPTY_ID, _TOPK_EMPTY_LOGPROB = 0, -99999.0
 
@@ -64,19 +69,20 @@ def decompress(body: Buffer, content_encoding: str | None) -> Buffer:
         f"zstd body decompresses to over {limit} bytes, the limit of forward_backward bodies on this "
         "server (set by --max-tokens-per-datum and --max-target-width)"
     )
-    pieces, size = [], 0
     try:
         if zstandard.frame_content_size(body) > limit:  # -1 when the frame does not declare it
             raise too_large
+        # Pieces go straight into one buffer (its pages untouched until written), not into a join that
+        # would copy the whole body again with the GIL held.
+        out, size = memoryview(np.empty(limit + 1, np.uint8)), 0
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            while piece := reader.read(_DECOMPRESS_PIECE_BYTES):
-                size += len(piece)
+            while piece := reader.readinto(out[size : size + _DECOMPRESS_PIECE_BYTES]):
+                size += piece
                 if size > limit:
                     raise too_large
-                pieces.append(piece)
     except zstandard.ZstdError as exc:
         raise UserError(f"corrupt zstd body: {exc}") from exc
-    return b"".join(pieces)
+    return out[:size]
 
 
 def parse_forward_backward(body: Buffer) -> ForwardBackwardMessage:
@@ -229,12 +235,14 @@ def _layout(output: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...], 
     return tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(output.items()))
 
 
-def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
-    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl)."""
+def forward_backward_output_json(result: PassResult, is_lazy: bool = False) -> dict[str, Any]:
+    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl); its
+    arrays as JsonLists when `is_lazy` (for json_render.py: a large result never exists whole as Python
+    values)."""
     outputs = [
         {
             k: {
-                "data": v.ravel().tolist(),
+                "data": _values_json(v, is_lazy),
                 "dtype": "int64" if v.dtype.kind == "i" else "float32",
                 "shape": list(v.shape),
             }
@@ -307,66 +315,96 @@ def _target_message(logprobs_RT: np.ndarray, is_sparse: bool) -> Any:
     return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=logprobs_RT.shape)
 
 
-def sample_response_json(result: SampleResult) -> dict[str, Any]:
+def sample_response_json(result: SampleResult, is_lazy: bool = False) -> dict[str, Any]:
     """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl: top-k
-    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData."""
+    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData; arrays as
+    JsonLists when `is_lazy` (see forward_backward_output_json)."""
     sequences = [
         {
             "stop_reason": s.stop_reason,
-            "tokens": s.tokens.tolist(),
-            "logprobs": s.logprobs.tolist(),
-            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs),
+            "tokens": _values_json(s.tokens, is_lazy),
+            "logprobs": _values_json(s.logprobs, is_lazy),
+            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs, is_lazy),
         }
         for s in result.sequences
     ]
     alt = None
     if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
         alt = {
-            "tokens": _tensor_json(result.prompt_alt_ids),
-            "logprobs": _tensor_json(result.prompt_alt_logprobs),
+            "tokens": _tensor_json(result.prompt_alt_ids, is_lazy),
+            "logprobs": _tensor_json(result.prompt_alt_logprobs, is_lazy),
         }
     target = None
     if result.target_prompt_logprobs is not None:
-        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse)
+        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse, is_lazy)
+    prompt = result.prompt_logprobs
     return json_safe(
         {
             "type": "sample",
             "sequences": sequences,
-            "prompt_logprobs": None if result.prompt_logprobs is None else result.prompt_logprobs.tolist(),
-            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs),
+            "prompt_logprobs": None if prompt is None else _values_json(prompt, is_lazy),
+            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs, is_lazy),
             "target_prompt_logprobs": target,
             "prompt_alt_tokens": alt,
         }
     )
 
 
-def _topk_json(ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None) -> list[Any] | None:
+def _topk_json(
+    ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None, is_lazy: bool
+) -> list[Any] | JsonList | None:
     """Per position, its scored [id, logprob] pairs, or None where none was scored."""
     if ids_NK is None or logprobs_NK is None:
         return None
-    return [
-        [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
-        for ids, lps in zip(ids_NK, logprobs_NK, strict=True)
-    ]
+
+    def pieces() -> Iterator[str]:
+        for ids_K, logprobs_K in zip(ids_NK, logprobs_NK, strict=True):
+            scored = zip(ids_K.tolist(), logprobs_K.tolist(), strict=True)
+            pairs = [f"[{i},{_float_json(v)}]" for i, v in scored if i >= 0]
+            yield "[" + ",".join(pairs) + "]" if pairs else "null"
+
+    return _list_json(pieces, is_lazy)
 
 
-def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+def _float_json(value: float) -> str:
+    """A float as json.dumps writes it, NaN and infinities as null (json_safe)."""
+    return repr(value) if math.isfinite(value) else "null"
+
+
+def _values_json(array: np.ndarray, is_lazy: bool) -> list[Any] | JsonList:
+    """`array.ravel().tolist()`, NaN and infinities as None, converted a piece at a time: numpy's tolist
+    holds the GIL (4M values, ~180 ms)."""
+    flat = array.ravel()
+
+    def pieces() -> Iterator[str]:
+        for start in range(0, flat.size, _JSON_PIECE_VALUES):
+            yield dumps(json_safe(flat[start : start + _JSON_PIECE_VALUES].tolist()))[1:-1]
+
+    return _list_json(pieces, is_lazy)
+
+
+def _list_json(pieces: Callable[[], Iterator[str]], is_lazy: bool) -> list[Any] | JsonList:
+    """A JsonList of the pieces, or (not lazy) the list they spell."""
+    return JsonList(pieces) if is_lazy else json.loads("[" + ",".join(pieces()) + "]")
+
+
+def _tensor_json(array: np.ndarray, is_lazy: bool) -> dict[str, Any]:
     """A dense TensorData."""
     array = _wire_array(array)
-    return {"data": array.ravel().tolist(), "dtype": array.dtype.name, "shape": list(array.shape)}
+    return {"data": _values_json(array, is_lazy), "dtype": array.dtype.name, "shape": list(array.shape)}
 
 
-def _target_json(logprobs_RT: np.ndarray, is_sparse: bool) -> dict[str, Any]:
+def _target_json(logprobs_RT: np.ndarray, is_sparse: bool, is_lazy: bool) -> dict[str, Any]:
     """target_prompt_logprobs as TensorData, in the request's layout (see _target_message)."""
     is_named_RT = ~np.isnan(logprobs_RT)
     if not is_sparse:
-        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0))
+        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0), is_lazy)
     crow, cols = to_csr(is_named_RT)
     return {
-        **_tensor_json(logprobs_RT[is_named_RT]),
+        **_tensor_json(logprobs_RT[is_named_RT], is_lazy),
         "shape": list(logprobs_RT.shape),
-        "sparse_crow_indices": crow.tolist(),
-        "sparse_col_indices": cols.tolist(),
+        "sparse_crow_indices": _values_json(crow, is_lazy),
+        "sparse_col_indices": _values_json(cols, is_lazy),
     }
 
 
