@@ -104,6 +104,9 @@ def read_forward_backward(body: Buffer) -> ForwardBackwardMessage:
 
 
 def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    """The varint at `pos` and the position after it."""
+    if pos < len(buf) and buf[pos] < 0x80:  # most tags and lengths: one byte
+        return buf[pos], pos + 1
     result, shift = 0, 0
     while pos < len(buf) and shift < 70:
         byte = buf[pos]
@@ -119,21 +122,24 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
 
 def _fields(buf: memoryview) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of each field in order: an int for varints, a memoryview else."""
-    pos = 0
-    while pos < len(buf):
+    pos, end = 0, len(buf)
+    while pos < end:
         key, pos = _varint(buf, pos)
         number, wire_type = key >> 3, key & 7
         if not 0 < number <= _MAX_FIELD_NUMBER or key >> 32:
             raise _LeftToProtobuf
         if wire_type == _VARINT:
             value, pos = _varint(buf, pos)
-        elif wire_type in (_LEN, _I64, _I32):
-            size, pos = _varint(buf, pos) if wire_type == _LEN else (8 if wire_type == _I64 else 4, pos)
-            if pos + size > len(buf):
+        else:
+            if wire_type == _LEN:
+                size, pos = _varint(buf, pos)
+            elif wire_type in (_I64, _I32):
+                size = 8 if wire_type == _I64 else 4
+            else:  # groups, and the wire types protobuf does not define
+                raise _LeftToProtobuf
+            if pos + size > end:
                 raise _LeftToProtobuf
             value, pos = buf[pos : pos + size], pos + size
-        else:  # groups, and the wire types protobuf does not define
-            raise _LeftToProtobuf
         yield number, wire_type, value
 
 
