@@ -40,6 +40,7 @@ from loraplex.api.tinker.wire import (
     describe_errors,
 )
 from loraplex.config import ServerConfig
+from loraplex.engine.losses import LOSSES, resolve_loss_config, validate_datum_inputs
 from loraplex.errors import ServerError, UserError
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.futures import outcome_row
@@ -119,6 +120,76 @@ def test_declared_values_past_the_request_token_limit_times_k_are_refused() -> N
             "10 values, over the 8 this server decodes per request "
             "(--max-tokens-per-request × --max-target-width)"
         )
+
+
+def test_a_one_token_datum_declaring_a_million_rows_is_refused_at_once_without_allocating() -> None:
+    one_token = np.arange(1, dtype="<i4").tobytes()
+    bomb = _request({"target_tokens": _sparse([1_000_000, 128], [7], [0, 1], [5])}, tokens=one_token)
+    tracemalloc.start()
+    started = time.perf_counter()
+    with pytest.raises(UserError) as refused:
+        forward_backward_command(bomb)
+    elapsed = time.perf_counter() - started
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert str(refused.value) == (
+        f"{TARGETS}: shape [1000000, 128] does not start with the datum's N = 1 tokens; each loss_fn_inputs "
+        "tensor is (N,) or (N, K), N the model_input length"
+    )
+    # Densified, it would have taken 1 GB and seconds; refused, microseconds and a few KiB (loose bounds
+    # for a busy host).
+    assert elapsed < 1.0 and peak < 64 * 1024
+
+
+@pytest.mark.parametrize(
+    ("tensor", "shape"),
+    [
+        (_tensor([4], dense=bytes(32)), [4]),
+        (_tensor([], dense=bytes(16)), [2]),  # no shape: 1-D, as long as its values
+        (_tensor([2, 5], dense=bytes(80)), [2, 5]),
+        (_sparse([4, 2], [5], [0, 1, 1, 1, 1], [0]), [4, 2]),
+    ],
+    ids=["dense", "without shape", "2-D", "sparse"],
+)
+def test_every_tensor_has_one_row_per_token_of_its_datum(tensor: pb.Tensor, shape: list[int]) -> None:
+    inputs = {"target_tokens": _tensor([3], dense=bytes(24)), "any_key": tensor}  # keys the loss ignores too
+    assert _refusal(_request(inputs)) == (
+        f"datum 0: loss_fn_inputs['any_key']: shape {shape} does not start with the datum's N = 3 tokens; "
+        "each loss_fn_inputs tensor is (N,) or (N, K), N the model_input length"
+    )
+
+
+@pytest.mark.parametrize("rows", [3, 4, 5])
+def test_the_api_and_the_engine_refuse_the_same_first_dimensions(rows: int) -> None:
+    """For every input every loss reads, a datum of 4 tokens: both take 4 rows, both refuse 3 and 5."""
+    fills = {"target_tokens": 7, "clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "logprobs": -1.0}
+    for loss, spec in LOSSES.items():
+        for key in (*spec.required, *spec.optional):
+            inputs = {
+                name: np.full((rows if name == key else 4,), fills.get(name, 1.0), _INPUT_DTYPES[name])
+                for name in (*spec.required, *spec.optional)
+            }
+            msg = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn=loss)
+            datum = msg.data.add()
+            datum.model_input.add().encoded_text.tokens = np.arange(4, dtype="<i4").tobytes()
+            for name, array in inputs.items():
+                dtype = pb.DTYPE_INT64 if array.dtype == np.int64 else pb.DTYPE_FLOAT32
+                datum.loss_fn_inputs[name].CopyFrom(_tensor([len(array)], dtype, array.tobytes()))
+            try:
+                forward_backward_command(parse_forward_backward(msg.SerializeToString()))
+                api_takes = True
+            except UserError:
+                api_takes = False
+            try:
+                validate_datum_inputs(loss, 0, 4, inputs, vocab_size=64, config=resolve_loss_config(loss, {}))
+                engine_takes = True
+            except UserError:
+                engine_takes = False
+            assert api_takes == engine_takes == (rows == 4), (loss, key)
+
+
+_INPUT_DTYPES = {name: np.float32 for name in LOSSES["gspo"].optional + LOSSES["ppo"].required}
+_INPUT_DTYPES["target_tokens"] = np.int64
 
 
 @pytest.mark.parametrize("shape", [[2, 2, 2], [-1], [3, -2]])

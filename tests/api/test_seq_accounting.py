@@ -84,6 +84,22 @@ def test_a_forward_backward_that_cannot_be_decoded_fails_as_its_seq_ids_future(h
     }
 
 
+def test_a_datum_declaring_more_rows_than_tokens_fails_as_its_seq_ids_future(http: TestClient) -> None:
+    run = _run(http)
+    targets = types.TensorData(
+        data=[7], dtype="int64", shape=[1_000_000, 128], sparse_crow_indices=[0, 1], sparse_col_indices=[5]
+    )
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1]), loss_fn_inputs={"target_tokens": targets}
+    )
+    outcome = _submit_then_train(http, run, "forward_backward", content=_proto(run, 1, datum))
+    assert outcome == {
+        "error": "datum 0: loss_fn_inputs['target_tokens']: shape [1000000, 128] does not start with the "
+        "datum's N = 1 tokens; each loss_fn_inputs tensor is (N,) or (N, K), N the model_input length",
+        "category": "user",
+    }
+
+
 def test_a_body_that_names_no_run_or_seq_id_is_a_422_with_a_body(http: TestClient) -> None:
     answer = http.post("/api/v1/optim_step", json={"adam_params": {}}, headers=KEY)
     assert answer.status_code == 422

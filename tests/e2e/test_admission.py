@@ -1,6 +1,7 @@
 """Admission limits on a real `loraplex serve`: bodies too large for their route are cut off while they
 stream in, bombs (huge declared shapes, zstd bombs, KV-cache and top-k asks) are refused before they cost
-memory, and `--auth none` is refused on a non-loopback host unless the operator says so."""
+memory, a 100 MiB body is decoded without holding up other requests, and `--auth none` is refused on a
+non-loopback host unless the operator says so."""
 
 from __future__ import annotations
 
@@ -183,6 +184,81 @@ def test_the_sdk_reports_a_target_wider_than_the_limit_as_a_user_error(server) -
         "datum 0: loss_fn_inputs['target_tokens']: shape [4, 129] is 129 wide; this server takes (N, K) "
         "inputs up to K = 128 (--max-target-width)" in str(refused.value)
     )
+
+
+# --- nothing heavy on the event loop
+
+
+def _top_k_forward_backward(run: str, seq_id: int, datums: int) -> bytes:
+    """A forward_backward body of `datums` datums of 4096 tokens (the tiny model's context) with (N, 128)
+    top-k target_tokens and weights as sparse CSR at 90% density (13.2 MB a datum), as a distillation
+    client could send; valid for the tiny model."""
+    tokens, width, listed = 4096, 128, 115
+    rng = np.random.default_rng(seq_id)
+    crow = (np.arange(tokens + 1) * listed).astype("<i8").tobytes()
+    cols = np.tile(np.arange(listed), tokens).astype("<i8").tobytes()
+    msg = pb.ForwardBackwardRequest(model_id=run, seq_id=seq_id, loss_fn="cross_entropy")
+    for _ in range(datums):
+        datum = msg.data.add()
+        datum.model_input.add().encoded_text.tokens = rng.integers(0, 500, tokens).astype("<i4").tobytes()
+        for key, dtype, values in (
+            ("target_tokens", pb.DTYPE_INT64, rng.integers(0, 500, tokens * listed).astype("<i8")),
+            ("weights", pb.DTYPE_FLOAT32, np.full(tokens * listed, 1 / listed, "<f4")),
+        ):
+            tensor = datum.loss_fn_inputs[key]
+            tensor.dtype, tensor.shape[:] = dtype, [tokens, width]
+            tensor.sparse_csr.values, tensor.sparse_csr.crow_indices = values.tobytes(), crow
+            tensor.sparse_csr.col_indices = cols
+    return msg.SerializeToString()
+
+
+def test_healthz_answers_within_100_ms_while_a_100_mib_body_is_decoded(start_server) -> None:
+    server = start_server("--long-poll-s", "1")  # the default limits: forward bodies up to about 131 MiB
+    with httpx.Client(base_url=f"{server.base_url}/api/v1", headers=KEY, timeout=300) as http:
+        run = _new_run(http)
+        # seq_id 2 first: its pass waits for seq_id 1, so that the engine's work stays out of the window.
+        body = _top_k_forward_backward(run, 2, datums=8)
+        assert len(body) > 100 * 2**20
+        latencies_s: list[float] = []
+        answers: list[Any] = []
+        posted = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(base_url=server.base_url, timeout=30) as prober:
+                while not posted.is_set():
+                    started = time.perf_counter()
+                    answers.append(prober.get("/api/v1/healthz").json())
+                    latencies_s.append(time.perf_counter() - started)
+                    time.sleep(0.01)
+
+        prober = threading.Thread(target=probe)
+        started = time.perf_counter()
+        prober.start()
+        # Sent in pieces: one 100 MB write would hold this process's GIL, and the prober's timing with it.
+        pieces = (body[start : start + 2**20] for start in range(0, len(body), 2**20))
+        reply = http.post("/forward_backward", content=pieces, headers={"Content-Length": str(len(body))})
+        took_s = time.perf_counter() - started
+        posted.set()
+        prober.join()
+        assert reply.status_code == 200, reply.text
+        # The body took the server long (upload, decode, submission), and healthz was asked all along.
+        assert took_s > 0.3 and len(latencies_s) >= 10, (took_s, len(latencies_s))
+        assert answers == [{"status": "ok"}] * len(latencies_s)
+        assert max(latencies_s) < 0.1, sorted(latencies_s)[-5:]
+        # Accepted: decoded, densified and validated; a refusal would be a failed future already.
+        pending = http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]}).json()
+        assert pending["type"] == "try_again"
+
+
+def _new_run(http: httpx.Client) -> str:
+    session = http.post("/create_session", json={}).json()["session_id"]
+    body = {
+        "session_id": session,
+        "model_seq_id": 0,
+        "base_model": "loraplex/tiny",
+        "lora_config": {"rank": 4},
+    }
+    return _settled(http, http.post("/create_model", json=body).json())["model_id"]
 
 
 # --- who may reach the server

@@ -35,6 +35,7 @@ from loraplex.api.tinker import (
     training,
     unsupported,
 )
+from loraplex.api.tinker.codec_pool import CodecPool
 from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.api.tinker.wire import describe_errors
 from loraplex.errors import CapacityError, LoraplexError, UserError
@@ -80,6 +81,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     `run_service` is False: then whoever serves the app runs the runtime itself."""
 
     submissions = SubmissionThread(runtime.training)
+    codecs = CodecPool()
     serving = [0]  # lifespans running: one app may be served by two servers at once (a test and a fuzzer)
 
     @asynccontextmanager
@@ -95,6 +97,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
                 if run_service:
                     await run_in_threadpool(runtime.stop)  # it parks runs: database writes
                 submissions.close()
+                codecs.close()
 
     app = FastAPI(title="loraplex", lifespan=lifespan)
     # Each route takes the collaborators it uses from here (api/tinker/deps.py), never the whole runtime.
@@ -103,6 +106,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     state.sessions, state.catalog, state.downloads = runtime.sessions, runtime.catalog, runtime.downloads
     state.session_search, state.session_traces = runtime.session_search, runtime.session_traces
     state.info, state.layout, state.submissions = runtime.info, runtime.layout, submissions
+    state.codecs = codecs
     state.tenants, state.logins, state.console = runtime.tenants, runtime.logins, runtime.console
     state.metrics_public = runtime.config.metrics_public
     app.add_exception_handler(LoraplexError, _loraplex_error)

@@ -1,30 +1,41 @@
 """Protobuf codecs: forward_backward request bytes (maybe zstd) -> ForwardBackward command; PassResult ->
 ForwardBackwardOutput and SampleResult -> SampleResponse bytes, plus their JSON forms.
 
-Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`). Arrays are raw little-endian numpy
-buffers. A body's declared sizes are checked against the request limits (api/limits.py) before anything
-is decompressed or densified. numpy only, no tensors; shape checks against the model are the engine's
-(validate_pass_request).
+Uses the schema the SDK ships (`tinker.proto.tinker_public_pb2`); request bodies are read by
+proto_reader.py. Arrays are raw little-endian numpy buffers. A body's declared sizes are checked against
+the request limits (api/limits.py) before anything is decompressed or densified, and each tensor's first
+dimension against its datum's tokens before it is decoded. Large bodies and results go through these
+functions on the codec pool (codec_pool.py), never on the event loop. numpy only, no tensors; shape checks
+against the model are the engine's (validate_pass_request).
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import zstandard
-from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from loraplex.api.limits import MIB, RequestLimits, current_limits
+from loraplex.api.tinker.json_render import JsonList, dumps
+from loraplex.api.tinker.proto_reader import (
+    Buffer,
+    DatumMessage,
+    ForwardBackwardMessage,
+    SparseCsrMessage,
+    TensorMessage,
+    read_forward_backward,
+)
 from loraplex.api.tinker.sparse import csr_problem, densify, to_csr
 from loraplex.errors import UserError
 from loraplex.runtime.core.commands import DatumInput, ForwardBackward, PassResult
 from loraplex.runtime.core.sampling import SampleResult
 
-# Only api/tinker/training.py's Content-Length pre-check reads this; the limits in force (BodyLimit, and
-# decompress below) are lower.
+# zstd output is read this much at a time: a bomb is refused at most this far past the limit.
 _DECOMPRESS_PIECE_BYTES = MIB
 
 _DTYPES: dict[int, np.dtype] = {
@@ -34,6 +45,8 @@ _DTYPES: dict[int, np.dtype] = {
 }
 _PROTO_DTYPES = {np.dtype(np.float32): pb.DTYPE_FLOAT32, np.dtype(np.int64): pb.DTYPE_INT64}
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+# Values the JSON forms convert to Python at a time (a few milliseconds each).
+_JSON_PIECE_VALUES = 1 << 14
 # What an unscored top-k cell reads as on the wire (docs/PROTOCOL.md §7.3).
 _TOPK_EMPTY_ID, _TOPK_EMPTY_LOGPROB = 0, -99999.0
 
@@ -44,7 +57,7 @@ class PayloadTooLargeError(UserError):
     status_code = 413
 
 
-def decompress(body: bytes, content_encoding: str | None) -> bytes:
+def decompress(body: Buffer, content_encoding: str | None) -> Buffer:
     """Undo Content-Encoding: zstd. A body that would decompress past the forward body limit is refused
     (413) by its frame header when that declares the size, else once that many bytes came out."""
     if not content_encoding or content_encoding == "identity":
@@ -56,40 +69,36 @@ def decompress(body: bytes, content_encoding: str | None) -> bytes:
         f"zstd body decompresses to over {limit} bytes, the limit of forward_backward bodies on this "
         "server (set by --max-tokens-per-datum and --max-target-width)"
     )
-    pieces, size = [], 0
     try:
         if zstandard.frame_content_size(body) > limit:  # -1 when the frame does not declare it
             raise too_large
+        # Pieces go straight into one buffer (its pages untouched until written), not into a join that
+        # would copy the whole body again with the GIL held.
+        out, size = memoryview(np.empty(limit + 1, np.uint8)), 0
         with zstandard.ZstdDecompressor().stream_reader(body) as reader:
-            while piece := reader.read(_DECOMPRESS_PIECE_BYTES):
-                size += len(piece)
+            while piece := reader.readinto(out[size : size + _DECOMPRESS_PIECE_BYTES]):
+                size += piece
                 if size > limit:
                     raise too_large
-                pieces.append(piece)
     except zstandard.ZstdError as exc:
         raise UserError(f"corrupt zstd body: {exc}") from exc
-    return b"".join(pieces)
+    return out[:size]
 
 
-def parse_forward_backward(body: bytes) -> Any:
+def parse_forward_backward(body: Buffer) -> ForwardBackwardMessage:
     """The ForwardBackwardRequest message of a body (UserError if it is not one); its model_id and seq_id
     are known from here on, so what `forward_backward_command` refuses can be recorded against them."""
-    msg = pb.ForwardBackwardRequest()
-    try:
-        msg.ParseFromString(body)
-    except DecodeError as exc:
-        raise UserError(f"body is not a tinker_public.ForwardBackwardRequest protobuf: {exc}") from exc
-    return msg
+    return read_forward_backward(body)
 
 
-def forward_backward_command(msg: Any) -> ForwardBackward:
+def forward_backward_command(msg: ForwardBackwardMessage) -> ForwardBackward:
     """The command a parsed ForwardBackwardRequest asks for (UserError naming what cannot be served)."""
     _check_declared_shapes(msg, current_limits())
     datums = [_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackward(msg.loss_fn, _loss_config(msg), datums, msg.forward_only)
 
 
-def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
+def _check_declared_shapes(msg: ForwardBackwardMessage, limits: RequestLimits) -> None:
     """Refuse, from the declared shapes alone, tensors that would take more memory to decode than the
     limits allow: a sparse tensor's shape costs a few bytes on the wire whatever it declares. Sizes are
     Python ints, which a huge shape cannot wrap around as numpy's int64 product can."""
@@ -113,65 +122,86 @@ def _check_declared_shapes(msg: Any, limits: RequestLimits) -> None:
                 )
 
 
-def _loss_config(msg: Any) -> dict[str, float]:
+def _loss_config(msg: ForwardBackwardMessage) -> dict[str, float]:
     if not msg.loss_fn_config_v2:
         return dict(msg.loss_fn_config)
     config = {}
     for key, value in msg.loss_fn_config_v2.items():
-        if value.WhichOneof("value") != "number":
+        if value is None:
             raise UserError(
                 f"loss_fn_config[{key!r}] must be a number (server-side custom losses are not supported)"
             )
-        config[key] = value.number
+        config[key] = value
     return config
 
 
-def _datum(index: int, datum: Any) -> DatumInput:
+def _datum(index: int, datum: DatumMessage) -> DatumInput:
     pieces = []
     for chunk in datum.model_input:
-        kind = chunk.WhichOneof("chunk")
-        if kind != "encoded_text":
-            raise UserError(f"datum {index}: {kind} chunks are not supported; send encoded_text tokens")
-        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.encoded_text.tokens, np.dtype("<i4")))
+        if chunk.kind != "encoded_text":
+            raise UserError(f"datum {index}: {chunk.kind} chunks are not supported; send encoded_text tokens")
+        pieces.append(_frombuffer(f"datum {index}: model_input", chunk.tokens, np.dtype("<i4")))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = {
-        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t) for key, t in datum.loss_fn_inputs.items()
+        key: _tensor(f"datum {index}: loss_fn_inputs[{key!r}]", t, len(tokens))
+        for key, t in datum.loss_fn_inputs.items()
     }
     return DatumInput(tokens, inputs)
 
 
-def _tensor(where: str, msg: Any) -> np.ndarray:
+def _tensor(where: str, msg: TensorMessage, n_tokens: int) -> np.ndarray:
     dtype = _DTYPES.get(msg.dtype)
     if dtype is None:
         name = pb.DType.Name(msg.dtype) if msg.dtype in pb.DType.values() else msg.dtype
         raise UserError(f"{where}: unsupported dtype {name}; use float32 or int64")
-    if msg.HasField("sparse_csr"):
-        return _densify(where, msg, dtype)
-    data = _frombuffer(where, msg.dense, dtype)
-    shape = list(msg.shape) or [data.size]
-    if math.prod(shape) != data.size:
-        raise UserError(f"{where}: shape {shape} does not match its {data.size} values")
-    return data.reshape(shape)
+    if msg.sparse_csr is not None:
+        return _densify(where, list(msg.shape), msg.sparse_csr, dtype, n_tokens)
+    count = _whole_values(where, msg.dense, dtype)
+    shape = list(msg.shape) or [count]
+    if math.prod(shape) != count:
+        raise UserError(f"{where}: shape {shape} does not match its {count} values")
+    _check_first_dimension(where, shape, n_tokens)
+    return _frombuffer(where, msg.dense, dtype).reshape(shape)
 
 
-def _densify(where: str, msg: Any, dtype: np.dtype) -> np.ndarray:
+def _densify(
+    where: str, shape: list[int], csr: SparseCsrMessage, dtype: np.dtype, n_tokens: int
+) -> np.ndarray:
     """Sparse CSR (the SDK sparsifies 2-D target_tokens / weights) to dense, unlisted cells 0, once its
     structure is whole: a broken one would drop values or misplace them without an error."""
-    shape = list(msg.shape)
     if len(shape) != 2:
         raise UserError(f"{where}: a sparse CSR tensor is 2-D, got shape {shape}")
-    values = _frombuffer(where, msg.sparse_csr.values, dtype)
-    crow = _frombuffer(where, msg.sparse_csr.crow_indices, np.dtype("<i8"))
-    cols = _frombuffer(where, msg.sparse_csr.col_indices, np.dtype("<i8"))
+    _check_first_dimension(where, shape, n_tokens)
+    values = _frombuffer(where, csr.values, dtype)
+    crow = _frombuffer(where, csr.crow_indices, np.dtype("<i8"))
+    cols = _frombuffer(where, csr.col_indices, np.dtype("<i8"))
     problem = csr_problem(shape, len(values), crow, cols)
     if problem is not None:
         raise UserError(f"{where}: sparse CSR tensor of shape {shape}: {problem}")
     return densify(shape, values, crow, cols, fill=0)
 
 
-def _frombuffer(where: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+def _check_first_dimension(where: str, shape: list[int], n_tokens: int) -> None:
+    """Every loss_fn_inputs tensor has one row per token of its datum: checked from the declared shape
+    before anything is decoded, so a datum of a few tokens cannot declare a (1_000_000, K) target (the
+    engine checks the same rule on the inputs its loss reads, engine/losses.py)."""
+    if shape[0] != n_tokens:
+        raise UserError(
+            f"{where}: shape {shape} does not start with the datum's N = {n_tokens} tokens; each "
+            "loss_fn_inputs tensor is (N,) or (N, K), N the model_input length"
+        )
+
+
+def _whole_values(where: str, raw: Buffer, dtype: np.dtype) -> int:
+    """How many `dtype` values `raw` holds (UserError if its length is not a multiple)."""
     if len(raw) % dtype.itemsize:
         raise UserError(f"{where}: {len(raw)} bytes is not a whole number of {dtype.name} values")
+    return len(raw) // dtype.itemsize
+
+
+def _frombuffer(where: str, raw: Buffer, dtype: np.dtype) -> np.ndarray:
+    """A native-order copy of `raw`'s values (numpy copies with the GIL released)."""
+    _whole_values(where, raw, dtype)
     return np.frombuffer(raw, dtype=dtype).astype(dtype.newbyteorder("="))
 
 
@@ -205,12 +235,14 @@ def _layout(output: dict[str, np.ndarray]) -> tuple[tuple[str, tuple[int, ...], 
     return tuple((name, a.shape[1:], a.dtype.str) for name, a in sorted(output.items()))
 
 
-def forward_backward_output_json(result: PassResult) -> dict[str, Any]:
-    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl)."""
+def forward_backward_output_json(result: PassResult, is_lazy: bool = False) -> dict[str, Any]:
+    """The JSON form of ForwardBackwardOutput, for clients that do not ask for protobuf (e.g. curl); its
+    arrays as JsonLists when `is_lazy` (for json_render.py: a large result never exists whole as Python
+    values)."""
     outputs = [
         {
             k: {
-                "data": v.ravel().tolist(),
+                "data": _values_json(v, is_lazy),
                 "dtype": "int64" if v.dtype.kind == "i" else "float32",
                 "shape": list(v.shape),
             }
@@ -283,66 +315,96 @@ def _target_message(logprobs_RT: np.ndarray, is_sparse: bool) -> Any:
     return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=logprobs_RT.shape)
 
 
-def sample_response_json(result: SampleResult) -> dict[str, Any]:
+def sample_response_json(result: SampleResult, is_lazy: bool = False) -> dict[str, Any]:
     """The JSON form of SampleResponse (None where a prompt position was not scored), e.g. for curl: top-k
-    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData."""
+    as lists of [id, logprob] per position, named ids' logprobs and prompt draws as TensorData; arrays as
+    JsonLists when `is_lazy` (see forward_backward_output_json)."""
     sequences = [
         {
             "stop_reason": s.stop_reason,
-            "tokens": s.tokens.tolist(),
-            "logprobs": s.logprobs.tolist(),
-            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs),
+            "tokens": _values_json(s.tokens, is_lazy),
+            "logprobs": _values_json(s.logprobs, is_lazy),
+            "topk_logprobs": _topk_json(s.topk_ids, s.topk_logprobs, is_lazy),
         }
         for s in result.sequences
     ]
     alt = None
     if result.prompt_alt_ids is not None and result.prompt_alt_logprobs is not None:
         alt = {
-            "tokens": _tensor_json(result.prompt_alt_ids),
-            "logprobs": _tensor_json(result.prompt_alt_logprobs),
+            "tokens": _tensor_json(result.prompt_alt_ids, is_lazy),
+            "logprobs": _tensor_json(result.prompt_alt_logprobs, is_lazy),
         }
     target = None
     if result.target_prompt_logprobs is not None:
-        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse)
+        target = _target_json(result.target_prompt_logprobs, result.target_prompt_is_sparse, is_lazy)
+    prompt = result.prompt_logprobs
     return json_safe(
         {
             "type": "sample",
             "sequences": sequences,
-            "prompt_logprobs": None if result.prompt_logprobs is None else result.prompt_logprobs.tolist(),
-            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs),
+            "prompt_logprobs": None if prompt is None else _values_json(prompt, is_lazy),
+            "topk_prompt_logprobs": _topk_json(result.topk_prompt_ids, result.topk_prompt_logprobs, is_lazy),
             "target_prompt_logprobs": target,
             "prompt_alt_tokens": alt,
         }
     )
 
 
-def _topk_json(ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None) -> list[Any] | None:
+def _topk_json(
+    ids_NK: np.ndarray | None, logprobs_NK: np.ndarray | None, is_lazy: bool
+) -> list[Any] | JsonList | None:
     """Per position, its scored [id, logprob] pairs, or None where none was scored."""
     if ids_NK is None or logprobs_NK is None:
         return None
-    return [
-        [[int(i), float(v)] for i, v in zip(ids, lps, strict=True) if i >= 0] or None
-        for ids, lps in zip(ids_NK, logprobs_NK, strict=True)
-    ]
+
+    def pieces() -> Iterator[str]:
+        for ids_K, logprobs_K in zip(ids_NK, logprobs_NK, strict=True):
+            scored = zip(ids_K.tolist(), logprobs_K.tolist(), strict=True)
+            pairs = [f"[{i},{_float_json(v)}]" for i, v in scored if i >= 0]
+            yield "[" + ",".join(pairs) + "]" if pairs else "null"
+
+    return _list_json(pieces, is_lazy)
 
 
-def _tensor_json(array: np.ndarray) -> dict[str, Any]:
+def _float_json(value: float) -> str:
+    """A float as json.dumps writes it, NaN and infinities as null (json_safe)."""
+    return repr(value) if math.isfinite(value) else "null"
+
+
+def _values_json(array: np.ndarray, is_lazy: bool) -> list[Any] | JsonList:
+    """`array.ravel().tolist()`, NaN and infinities as None, converted a piece at a time: numpy's tolist
+    holds the GIL (4M values, ~180 ms)."""
+    flat = array.ravel()
+
+    def pieces() -> Iterator[str]:
+        for start in range(0, flat.size, _JSON_PIECE_VALUES):
+            yield dumps(json_safe(flat[start : start + _JSON_PIECE_VALUES].tolist()))[1:-1]
+
+    return _list_json(pieces, is_lazy)
+
+
+def _list_json(pieces: Callable[[], Iterator[str]], is_lazy: bool) -> list[Any] | JsonList:
+    """A JsonList of the pieces, or (not lazy) the list they spell."""
+    return JsonList(pieces) if is_lazy else json.loads("[" + ",".join(pieces()) + "]")
+
+
+def _tensor_json(array: np.ndarray, is_lazy: bool) -> dict[str, Any]:
     """A dense TensorData."""
     array = _wire_array(array)
-    return {"data": array.ravel().tolist(), "dtype": array.dtype.name, "shape": list(array.shape)}
+    return {"data": _values_json(array, is_lazy), "dtype": array.dtype.name, "shape": list(array.shape)}
 
 
-def _target_json(logprobs_RT: np.ndarray, is_sparse: bool) -> dict[str, Any]:
+def _target_json(logprobs_RT: np.ndarray, is_sparse: bool, is_lazy: bool) -> dict[str, Any]:
     """target_prompt_logprobs as TensorData, in the request's layout (see _target_message)."""
     is_named_RT = ~np.isnan(logprobs_RT)
     if not is_sparse:
-        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0))
+        return _tensor_json(np.where(is_named_RT, logprobs_RT, 0.0), is_lazy)
     crow, cols = to_csr(is_named_RT)
     return {
-        **_tensor_json(logprobs_RT[is_named_RT]),
+        **_tensor_json(logprobs_RT[is_named_RT], is_lazy),
         "shape": list(logprobs_RT.shape),
-        "sparse_crow_indices": crow.tolist(),
-        "sparse_col_indices": cols.tolist(),
+        "sparse_crow_indices": _values_json(crow, is_lazy),
+        "sparse_col_indices": _values_json(cols, is_lazy),
     }
 
 

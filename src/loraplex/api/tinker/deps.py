@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from loraplex.api.tinker.codec_pool import CodecPool
 from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.engine.interface import EngineInfo
 from loraplex.runtime.control.catalog import Catalog
@@ -43,3 +44,4 @@ Traces = Annotated[SessionTraces, Depends(_from_app("session_traces"))]
 Info = Annotated[EngineInfo, Depends(_from_app("info"))]
 Layout = Annotated[DiskLayout, Depends(_from_app("layout"))]
 Submissions = Annotated[SubmissionThread, Depends(_from_app("submissions"))]
+Codecs = Annotated[CodecPool, Depends(_from_app("codecs"))]

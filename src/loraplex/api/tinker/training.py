@@ -9,7 +9,8 @@ fails validation, an undecodable tensor, a feature this server lacks) is recorde
 failed future (a `Submission` carrying the refusal) and answered like any submission; the SDK then raises the
 precise message from the future. Only a body without a readable run and seq_id is refused outright (422).
 
-Submissions go to the service through the submission thread (submissions.py): their database writes
+Bodies are decoded on the codec pool when they are large (codec_pool.py), never on the event loop; their
+submissions go to the service through the submission thread (submissions.py): their database writes
 never block the event loop, and a burst of them is written in one transaction.
 """
 
@@ -24,12 +25,21 @@ from pydantic import BaseModel, ValidationError
 
 from loraplex.api.request_log import note_request
 from loraplex.api.tinker.auth import Tenant
+from loraplex.api.tinker.codec_pool import (
+    INLINE_JSON_BODY_BYTES,
+    INLINE_PROTOBUF_BODY_BYTES,
+    CodecPool,
+    body_chunks,
+    body_size,
+    join_chunks,
+)
 from loraplex.api.tinker.codecs import (
     decompress,
     forward_backward_command,
     parse_forward_backward,
 )
-from loraplex.api.tinker.deps import Info, Submissions, Training
+from loraplex.api.tinker.deps import Codecs, Info, Submissions, Training
+from loraplex.api.tinker.json_body import json_body_route
 from loraplex.api.tinker.submissions import SubmissionThread
 from loraplex.api.tinker.wire import (
     CreateModelRequest,
@@ -45,7 +55,7 @@ from loraplex.api.tinker.wire import (
 from loraplex.errors import UserError
 from loraplex.runtime.control.futures import FutureRecord
 from loraplex.runtime.control.service import Submission
-from loraplex.runtime.core.commands import Command
+from loraplex.runtime.core.commands import Command, ForwardBackward
 
 router = APIRouter()
 
@@ -61,18 +71,9 @@ def _future(record: FutureRecord, model_id: str, seq_id: int | None = None) -> d
     return {"request_id": record.id, "model_id": model_id}
 
 
-def _json_route(wire: type[BaseModel]) -> dict[str, Any]:
-    """Route options that document a body the handler reads itself (so it can account for its seq_id)."""
-    schema = wire.model_json_schema(ref_template="#/components/schemas/{model}")
-    return {
-        "openapi_extra": {
-            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}
-        }
-    }
-
-
 async def _submit_ordered(
-    request: Request,
+    chunks: list[bytes],
+    codecs: CodecPool,
     submissions: SubmissionThread,
     tenant: str,
     wire: type[BaseModel],
@@ -80,18 +81,30 @@ async def _submit_ordered(
     to_command: Callable[[Any], Command],
 ) -> dict[str, Any]:
     """Validate a JSON body into its command and submit it; a refusal becomes its seq_id's failed future."""
-    raw = await request.body()
+    is_small = body_size(chunks) < INLINE_JSON_BODY_BYTES
+    submission = await codecs.run(
+        is_small, _ordered_submission, chunks, tenant, wire, request_type, to_command
+    )
+    return _future(await submissions.submit(submission), submission.run_id, submission.seq_id)
+
+
+def _ordered_submission(
+    chunks: list[bytes],
+    tenant: str,
+    wire: type[BaseModel],
+    request_type: str,
+    to_command: Callable[[Any], Command],
+) -> Submission:
+    """The submission of a JSON body: its command, or the refusal recorded as its seq_id's failed future."""
+    raw = b"".join(chunks)
     try:
         body = wire.model_validate_json(raw)
         command = to_command(body)
     except (ValidationError, UserError) as error:
         refusal = UserError(describe_errors(error.errors())) if isinstance(error, ValidationError) else error
         model_id, seq_id = _run_and_seq_id(raw, refusal)
-        submission = Submission(tenant, model_id, seq_id, request_type, refusal=refusal)
-    else:
-        model_id, seq_id = body.model_id, body.seq_id  # type: ignore[attr-defined]
-        submission = Submission(tenant, model_id, seq_id, command.request_type, command)
-    return _future(await submissions.submit(submission), model_id, seq_id)
+        return Submission(tenant, model_id, seq_id, request_type, refusal=refusal)
+    return Submission(tenant, body.model_id, body.seq_id, command.request_type, command)  # type: ignore[attr-defined]
 
 
 def _run_and_seq_id(raw: bytes, refusal: UserError) -> tuple[str, int]:
@@ -113,16 +126,14 @@ def create_model(body: CreateModelRequest, training: Training, tenant: Tenant) -
     return _future(record, f"{body.session_id}:train:{body.model_seq_id}", 0)
 
 
-@router.post("/load_weights", **_json_route(LoadWeightsRequest))
+@router.post("/load_weights", **json_body_route(LoadWeightsRequest))
 async def load_weights(
-    request: Request, training: Training, submissions: Submissions, tenant: Tenant
+    request: Request, training: Training, submissions: Submissions, codecs: Codecs, tenant: Tenant
 ) -> dict[str, Any]:
     """Create-via-load (session_id + model_seq_id: a new run) or the legacy in-place load (model_id +
     seq_id)."""
-    try:
-        body: LoadWeightsRequest | None = LoadWeightsRequest.model_validate_json(await request.body())
-    except ValidationError:
-        body = None  # refused below, as the in-place load it names (or a 422 if it names no run)
+    chunks = await body_chunks(request)
+    body = await codecs.run(body_size(chunks) < INLINE_JSON_BODY_BYTES, _load_weights_body, chunks)
     if body is not None and body.session_id is not None and body.model_seq_id is not None:
         command = body.to_command()
         record = await submissions.call(
@@ -137,7 +148,18 @@ async def load_weights(
             )
         return body.to_command()
 
-    return await _submit_ordered(request, submissions, tenant, LoadWeightsRequest, "LoadWeights", in_place)
+    return await _submit_ordered(
+        chunks, codecs, submissions, tenant, LoadWeightsRequest, "LoadWeights", in_place
+    )
+
+
+def _load_weights_body(chunks: list[bytes]) -> LoadWeightsRequest | None:
+    """The body as a LoadWeightsRequest, or None if it is not one (refused as the in-place load it names,
+    or a 422 if it names no run)."""
+    try:
+        return LoadWeightsRequest.model_validate_json(b"".join(chunks))
+    except ValidationError:
+        return None
 
 
 @router.post("/get_info")
@@ -160,48 +182,89 @@ async def get_info(body: ModelRequest, training: Training, info: Info, tenant: T
 
 @router.post("/forward_backward")
 @router.post("/forward")
-async def forward_backward(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
+async def forward_backward(
+    request: Request, submissions: Submissions, codecs: Codecs, tenant: Tenant
+) -> dict[str, Any]:
     """forward and forward_backward share this handler: the proto's forward_only says which."""
-    body = decompress(await request.body(), request.headers.get("content-encoding"))
-    msg = parse_forward_backward(body)
-    model_id, seq_id = msg.model_id, msg.seq_id
-    try:
-        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", forward_backward_command(msg))
-    except UserError as refusal:
-        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", refusal=refusal)
+    chunks = await body_chunks(request)
+    encoding = request.headers.get("content-encoding")
+    # A compressed body's size is known only once it is decompressed.
+    is_small = not encoding and body_size(chunks) < INLINE_PROTOBUF_BODY_BYTES
+    model_id, seq_id, decoded = await codecs.run(is_small, _decode_forward_backward, chunks, encoding)
+    if isinstance(decoded, UserError):
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", refusal=decoded)
+    else:
+        submission = Submission(tenant, model_id, seq_id, "ForwardBackward", decoded)
     return _future(await submissions.submit(submission), model_id, seq_id)
 
 
-@router.post("/optim_step", **_json_route(OptimStepRequest))
-async def optim_step(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
+def _decode_forward_backward(
+    chunks: list[bytes], content_encoding: str | None
+) -> tuple[str, int, ForwardBackward | UserError]:
+    """A forward(_backward) body's run, seq_id and command, or the refusal to record against them; what
+    comes before the run and seq_id are known (size, zstd, protobuf) raises."""
+    msg = parse_forward_backward(decompress(join_chunks(chunks), content_encoding))
+    try:
+        return msg.model_id, msg.seq_id, forward_backward_command(msg)
+    except UserError as refusal:
+        return msg.model_id, msg.seq_id, refusal
+
+
+@router.post("/optim_step", **json_body_route(OptimStepRequest))
+async def optim_step(
+    request: Request, submissions: Submissions, codecs: Codecs, tenant: Tenant
+) -> dict[str, Any]:
     return await _submit_ordered(
-        request, submissions, tenant, OptimStepRequest, "OptimStep", OptimStepRequest.to_command
+        await body_chunks(request),
+        codecs,
+        submissions,
+        tenant,
+        OptimStepRequest,
+        "OptimStep",
+        OptimStepRequest.to_command,
     )
 
 
-@router.post("/save_weights", **_json_route(SaveWeightsRequest))
-async def save_weights(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
+@router.post("/save_weights", **json_body_route(SaveWeightsRequest))
+async def save_weights(
+    request: Request, submissions: Submissions, codecs: Codecs, tenant: Tenant
+) -> dict[str, Any]:
     return await _submit_ordered(
-        request, submissions, tenant, SaveWeightsRequest, "SaveWeights", SaveWeightsRequest.to_command
+        await body_chunks(request),
+        codecs,
+        submissions,
+        tenant,
+        SaveWeightsRequest,
+        "SaveWeights",
+        SaveWeightsRequest.to_command,
     )
 
 
-@router.post("/save_weights_for_sampler", **_json_route(SaveWeightsForSamplerRequest))
+@router.post("/save_weights_for_sampler", **json_body_route(SaveWeightsForSamplerRequest))
 async def save_weights_for_sampler(
-    request: Request, training: Training, submissions: Submissions, tenant: Tenant
+    request: Request, training: Training, submissions: Submissions, codecs: Codecs, tenant: Tenant
 ) -> dict[str, Any]:
     def to_command(body: SaveWeightsForSamplerRequest) -> Command:
         return body.to_command(training.run_state(tenant, body.model_id).session_id)
 
     return await _submit_ordered(
-        request, submissions, tenant, SaveWeightsForSamplerRequest, "SaveWeightsForSampler", to_command
+        await body_chunks(request),
+        codecs,
+        submissions,
+        tenant,
+        SaveWeightsForSamplerRequest,
+        "SaveWeightsForSampler",
+        to_command,
     )
 
 
-@router.post("/save_weights_external", **_json_route(SaveWeightsExternalRequest))
-async def save_weights_external(request: Request, submissions: Submissions, tenant: Tenant) -> dict[str, Any]:
+@router.post("/save_weights_external", **json_body_route(SaveWeightsExternalRequest))
+async def save_weights_external(
+    request: Request, submissions: Submissions, codecs: Codecs, tenant: Tenant
+) -> dict[str, Any]:
     return await _submit_ordered(
-        request,
+        await body_chunks(request),
+        codecs,
         submissions,
         tenant,
         SaveWeightsExternalRequest,

@@ -1,0 +1,150 @@
+"""Nothing heavy runs on the API's event loop: a session of large bodies (protobuf, zstd, JSON) and large
+results (protobuf and JSON) over HTTP never holds the loop longer than STALL_BOUND_S.
+
+tests/api/test_no_sql_on_the_loop.py catches database calls on the loop; this catches CPU work, whoever
+does it: a pool thread holding the GIL through one long C call stalls the loop's callbacks too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import zstandard
+from fastapi.testclient import TestClient
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+from loraplex.api.app import create_app
+from loraplex.config import ServerConfig
+from loraplex.runtime.assembly import Runtime
+from loraplex.runtime.control.futures import outcome_row
+from loraplex.runtime.core.commands import PassResult
+from loraplex.runtime.core.sampling import SampledSequence, SampleResult
+from tests.api.test_http import KEY, _run, _sampler
+from tests.fakes import VOCAB, FakeEngine
+
+# A request that arrives at any moment is answered within 100 ms (tests/e2e/test_admission.py asks it of
+# healthz), so the loop may never be held that long. On a shared 2-core host under load this session's
+# longest stall measured 27-44 ms (thread switching and the host's scheduling); before the codec pool,
+# 3.8 s (the first body decoded on the loop), then 0.5 s and 0.3 s.
+STALL_BOUND_S = 0.1
+_BEAT_S = 0.001
+PROTOBUF = {**KEY, "Accept": "application/x-protobuf"}
+
+
+@contextmanager
+def loop_stalls(http: TestClient) -> Iterator[list[float]]:
+    """The times (s) the app's event loop went without running a callback inside the block, longest
+    first: a task on the loop wakes every millisecond, and the time between its wake-ups is how long the
+    loop was held, by a callback or by a thread holding the GIL."""
+    stalls: list[float] = []
+    stop = http.portal.call(asyncio.Event)  # type: ignore[union-attr]
+
+    async def heartbeat() -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while not stop.is_set():
+            await asyncio.sleep(_BEAT_S)
+            now = loop.time()
+            stalls.append(now - last - _BEAT_S)
+            last = now
+
+    running = http.portal.start_task_soon(heartbeat)  # type: ignore[union-attr]
+    try:
+        yield stalls
+    finally:
+        http.portal.call(stop.set)  # type: ignore[union-attr]
+        running.result()
+        stalls.sort(reverse=True)
+
+
+def _forward_backward(run: str, seq_id: int, datums: int, tokens: int, width: int) -> bytes:
+    """A body of `datums` datums of `tokens` tokens, each with dense 1-D targets and a dense (tokens, width)
+    float32 input the fake engine checks but does not read (a stand-in for top-k weights' bulk)."""
+    msg = pb.ForwardBackwardRequest(model_id=run, seq_id=seq_id, loss_fn="cross_entropy")
+    rng = np.random.default_rng(seq_id)
+    for _ in range(datums):
+        datum = msg.data.add()
+        datum.model_input.add().encoded_text.tokens = rng.integers(0, VOCAB, tokens).astype("<i4").tobytes()
+        datum.loss_fn_inputs["target_tokens"].CopyFrom(
+            pb.Tensor(dense=rng.integers(0, VOCAB, tokens).astype("<i8").tobytes(), dtype=pb.DTYPE_INT64)
+        )
+        bulk = pb.Tensor(dtype=pb.DTYPE_FLOAT32, shape=[tokens, width])
+        bulk.dense = np.ones((tokens, width), "<f4").tobytes()
+        datum.loss_fn_inputs["bulk"].CopyFrom(bulk)
+    return msg.SerializeToString()
+
+
+def _settle(http: TestClient, result: object) -> str:
+    """A finished future holding `result` (the engine's results are small; the API's encoding is what
+    this test is about)."""
+    futures = http.app.state.futures  # type: ignore[attr-defined]
+    record = futures.create("local", "Injected")
+    futures.settle([(outcome_row(record.id, result), result)], is_written=True)
+    return record.id
+
+
+def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tmp_path: Path) -> None:
+    config = ServerConfig(data_dir=tmp_path, long_poll_s=5.0)
+    rng = np.random.default_rng(0)
+    pass_result = PassResult(
+        outputs=[
+            {"logprobs": rng.random(4096, np.float32), "elementwise_loss": rng.random(4096, np.float32)}
+            for _ in range(32)
+        ],
+        metrics={"loss:sum": 1.0},
+    )
+    prompt_ids = rng.integers(0, VOCAB, (4096, 64)).astype(np.int32)
+    sample_result = SampleResult(
+        [SampledSequence(np.arange(8, dtype=np.int32), np.zeros(8, np.float32), "length")],
+        prompt_logprobs=rng.random(4096, np.float32),
+        topk_prompt_ids=prompt_ids,
+        topk_prompt_logprobs=rng.random((4096, 64), np.float32),
+    )
+    with TestClient(create_app(Runtime.open(FakeEngine(), config))) as http:
+        run, sampler = _run(http), _sampler(http)
+        # Built before the measurement: the client shares the GIL with the server here.
+        large = _forward_backward(run, 1, datums=16, tokens=4096, width=128)  # 34 MB
+        compressed = zstandard.ZstdCompressor().compress(_forward_backward(run, 2, 16, 4096, 128))
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4] * 8192}]}
+        asample = json.dumps({"sampling_session_id": sampler, "seq_id": 0, "prompt": prompt}).encode()
+        optim = json.dumps({"model_id": run, "seq_id": 3, "adam_params": {}, "note": "x" * 4_000_000})
+        submitted = {"pass": _settle(http, pass_result), "sample": _settle(http, sample_result)}
+        with loop_stalls(http) as stalls:
+            posts = {
+                "large": ({}, large),
+                "zstd": ({"Content-Encoding": "zstd"}, compressed),
+                "asample": ({"Content-Type": "application/json"}, asample),
+                "optim": ({}, optim),
+            }
+            for name, (headers, content) in posts.items():
+                path = {"asample": "asample", "optim": "optim_step"}.get(name, "forward_backward")
+                reply = http.post(f"/api/v1/{path}", content=content, headers={**KEY, **headers})
+                submitted[name] = reply.json()["request_id"]
+            results = {
+                (name, form): http.post(
+                    "/api/v1/retrieve_future", json={"request_id": future}, headers=headers
+                )
+                for name, future in submitted.items()
+                for form, headers in (("proto", PROTOBUF), ("json", KEY))
+            }
+        assert stalls[0] < STALL_BOUND_S, f"the loop was held {stalls[:5]} s"
+        # The session did what it claims: every result came back whole, in both forms.
+        assert all(reply.status_code == 200 for reply in results.values())
+        for name in ("large", "zstd"):
+            outputs = deserialize_forward_backward_output(results[name, "proto"].content).loss_fn_outputs
+            assert [output["logprobs"].shape for output in outputs] == [[4096]] * 16
+            assert len(json.loads(results[name, "json"].content)["loss_fn_outputs"]) == 16
+        assert len(deserialize_sample_response(results["asample", "proto"].content).sequences) == 1
+        assert json.loads(results["optim", "json"].content)["metrics"]["grad_norm"] > 0
+        passed = json.loads(results["pass", "json"].content)["loss_fn_outputs"][31]["logprobs"]["data"]
+        np.testing.assert_array_equal(passed, pass_result.outputs[31]["logprobs"])
+        topk = json.loads(results["sample", "json"].content)["topk_prompt_logprobs"]
+        assert [pair[0] for pair in topk[4095]] == prompt_ids[4095].tolist()
+        topk_proto = deserialize_sample_response(results["sample", "proto"].content).topk_prompt_logprobs
+        assert [pair[0] for pair in topk_proto[4095]] == prompt_ids[4095].tolist()
