@@ -121,8 +121,9 @@ class ServerConfig(BaseModel):
     max_json_body_mib: int = Field(
         8,
         ge=1,
-        description="Largest JSON request body (MiB), e.g. an asample prompt at ~8 bytes per token. "
-        "forward(_backward) bodies may be as large as --max-tokens-per-datum and --max-target-width need.",
+        description="Largest JSON request body with a prompt (MiB): asample at ~8 bytes per token, /v1 "
+        "completions. Other routes' JSON bodies may be 12 x --max-metadata-bytes + 64 KiB (every field is "
+        "bounded); forward(_backward) bodies as large as --max-tokens-per-datum and --max-target-width need.",
     )
     max_metadata_entries: int = Field(64, ge=0, description="Entries of one user_metadata.")
     max_metadata_bytes: int = Field(

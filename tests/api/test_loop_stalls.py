@@ -113,7 +113,12 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
         compressed = zstandard.ZstdCompressor().compress(_forward_backward(run, 2, 16, 4096, 128))
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4] * 8192}]}
         asample = json.dumps({"sampling_session_id": sampler, "seq_id": 0, "prompt": prompt}).encode()
-        optim = json.dumps({"model_id": run, "seq_id": 3, "adam_params": {}, "note": "x" * 4_000_000})
+        optim = json.dumps({"model_id": run, "seq_id": 3, "adam_params": {}, "note": "x" * 200_000})
+        # Bodies FastAPI reads for a route (a declared body), unknown fields and all: anyone may send one. A
+        # route whose fields are bounded refuses a large one as it streams in; a prompt's is parsed on the
+        # codec pool (a long prompt, about 100k tokens: a parse holds the GIL ~50 ms a MiB even there).
+        junk = json.dumps({"user_metadata": {}, "junk": list(range(1_000_000))})  # 7 MB of numbers
+        long_prompt = json.dumps({"model": "fake/bigram", "prompt": [7] * 100_000, "max_tokens": 1})
         submitted = {"pass": _settle(http, pass_result), "sample": _settle(http, sample_result)}
         with loop_stalls(http) as stalls:
             posts = {
@@ -126,6 +131,9 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
                 path = {"asample": "asample", "optim": "optim_step"}.get(name, "forward_backward")
                 reply = http.post(f"/api/v1/{path}", content=content, headers={**KEY, **headers})
                 submitted[name] = reply.json()["request_id"]
+            json_headers = {**KEY, "Content-Type": "application/json"}
+            session = http.post("/api/v1/create_session", content=junk, headers=json_headers)
+            completion = http.post("/v1/completions", content=long_prompt, headers=json_headers)
             results = {
                 (name, form): http.post(
                     "/api/v1/retrieve_future", json={"request_id": future}, headers=headers
@@ -134,6 +142,10 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
                 for form, headers in (("proto", PROTOBUF), ("json", KEY))
             }
         assert stalls[0] < STALL_BOUND_S, f"the loop was held {stalls[:5]} s"
+        assert session.status_code == 413 and "--max-metadata-bytes" in session.json()["detail"]
+        assert (
+            completion.status_code == 400 and "tokenizer" in completion.text
+        )  # read whole: the fake has none
         # The session did what it claims: every result came back whole, in both forms.
         assert all(reply.status_code == 200 for reply in results.values())
         for name in ("large", "zstd"):

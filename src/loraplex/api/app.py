@@ -124,5 +124,5 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     app.include_router(unsupported.fallback, prefix="/api/v1")
     app.include_router(metrics_router)
     app.include_router(console_router)
-    app.mount("/v1", create_openai_app(runtime.inference, runtime.tenants))
+    app.mount("/v1", create_openai_app(runtime.inference, runtime.tenants, codecs))
     return app

@@ -24,6 +24,16 @@ from loraplex.config import ServerConfig
 MIB = 1 << 20
 # Protobuf bodies; every other route reads JSON.
 FORWARD_PATHS = frozenset({"/api/v1/forward_backward", "/api/v1/forward"})
+# JSON bodies that may be large: prompts (and the SDK's telemetry batches, which this server never reads).
+# Every other route's fields are bounded by the operator's limits, so its body is too (small_json_body_bytes):
+# a JSON parse holds the GIL, even off the event loop, about 50 ms a MiB on a busy 2-core host.
+LARGE_JSON_PATHS = frozenset(
+    {"/api/v1/asample", "/v1/completions", "/v1/chat/completions", "/api/v1/telemetry"}
+)
+# JSON escapes a byte of text into at most 6 (\u0001); a body holds user_metadata and a display name, each
+# bounded by --max-metadata-bytes, and fields of a few hundred bytes besides.
+_ESCAPED_BYTES = 6
+_SMALL_JSON_SLACK_BYTES = 64 * 1024
 # Wire bytes per token of a forward(_backward) datum: its int32 id and its 1-D inputs (an int64 target,
 # float32 weights, logprobs, advantages, masks), with room to spare.
 _TOKEN_WIRE_BYTES = 64
@@ -77,6 +87,13 @@ class RequestLimits:
         return max(heaviest_datum, self.max_tokens_per_request * _TOKEN_WIRE_BYTES) + MIB
 
     @property
+    def max_small_json_body_bytes(self) -> int:
+        """Largest JSON body of a route whose every field is bounded: its metadata and display name at
+        their limits, escaped, and room for the rest (never above --max-json-body-mib)."""
+        bounded = 2 * _ESCAPED_BYTES * self.max_metadata_bytes + _SMALL_JSON_SLACK_BYTES
+        return min(bounded, self.max_json_body_bytes)
+
+    @property
     def max_decoded_values(self) -> int:
         """Values all loss_fn_inputs tensors of one forward(_backward) request may declare together."""
         return self.max_tokens_per_request * self.max_target_width
@@ -85,7 +102,11 @@ class RequestLimits:
         """The byte limit of a route's body, and which flags set it."""
         if path in FORWARD_PATHS:
             return self.max_forward_body_bytes, "set by --max-tokens-per-datum and --max-target-width"
-        return self.max_json_body_bytes, f"--max-json-body-mib {self.max_json_body_bytes // MIB}"
+        if path in LARGE_JSON_PATHS:
+            return self.max_json_body_bytes, f"--max-json-body-mib {self.max_json_body_bytes // MIB}"
+        return self.max_small_json_body_bytes, (
+            f"this route's fields are bounded: --max-metadata-bytes {self.max_metadata_bytes}"
+        )
 
 
 DEFAULT_LIMITS = RequestLimits.from_config(ServerConfig())

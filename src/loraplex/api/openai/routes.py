@@ -21,10 +21,11 @@ from loraplex.api.openai.responses import (
     sse,
 )
 from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.runtime.serving.completions import Completion
 from loraplex.runtime.serving.inference import InferenceService, ModelCard
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 _SSE = "text/event-stream"
 

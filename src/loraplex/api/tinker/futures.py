@@ -12,6 +12,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.request_log import note_request
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.codec_pool import INLINE_JSON_RESULT_BYTES, INLINE_PROTOBUF_RESULT_BYTES
@@ -28,7 +29,7 @@ from loraplex.api.tinker.wire import RetrieveFutureRequest
 from loraplex.runtime.core.commands import PassResult
 from loraplex.runtime.core.sampling import SampleResult
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 PROTOBUF = "application/x-protobuf"
 

@@ -10,13 +10,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.deps import Runs
 from loraplex.api.tinker.unsupported import unsupported
 from loraplex.api.tinker.wire import WeightsInfoRequest, checkpoint_json, lora_info_json, training_run_json
 from loraplex.runtime.core.checkpoints import CheckpointPath
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 # The database takes a 64-bit OFFSET; a larger one is a 422 here.
 Offset = Annotated[int, Query(ge=0, lt=2**63)]

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.request_log import note_request
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.codec_pool import INLINE_JSON_BODY_BYTES, body_chunks, body_size
@@ -20,7 +21,7 @@ from loraplex.api.tinker.json_body import json_body_route, validate_json_body
 from loraplex.api.tinker.wire import AsampleRequest, CreateSamplingSessionRequest
 from loraplex.runtime.core.sampling import SampleRequest, sample_sequence_ids
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 
 @router.post("/create_sampling_session")

@@ -9,11 +9,12 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.deps import Info, Sessions
 from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 # Feature flags for the SDK (docs/PROTOCOL.md §6.1). Chunks are submitted in parallel (the run
 # queue reorders them); every optional flag stays off.

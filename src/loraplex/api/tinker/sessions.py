@@ -16,6 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import AwareDatetime, Field
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.deps import Downloads, Runs, Search, Traces
 from loraplex.api.tinker.unsupported import unsupported
@@ -29,7 +30,7 @@ from loraplex.runtime.control.session_search import (
     StatusFilter,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 
 @router.get("/sessions")

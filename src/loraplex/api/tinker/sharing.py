@@ -8,12 +8,13 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.deps import Runs
 from loraplex.api.tinker.wire import TtlSeconds, WireModel
 from loraplex.runtime.core.checkpoints import CheckpointPath
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 _CHECKPOINT = "/training_runs/{run_id}/checkpoints/{kind}/{name}"
 

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.request_log import note_request
 from loraplex.api.tinker.auth import Tenant
 from loraplex.api.tinker.codec_pool import (
@@ -57,7 +58,7 @@ from loraplex.runtime.control.futures import FutureRecord
 from loraplex.runtime.control.service import Submission
 from loraplex.runtime.core.commands import Command, ForwardBackward
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 
 
 class UnprocessableBodyError(UserError):

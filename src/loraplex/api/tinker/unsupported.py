@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 
+from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.errors import UserError
 
 # (methods, path, the feature as a user would name it)
@@ -59,12 +60,12 @@ def _refuse(feature: str | None) -> Callable[[Request], Awaitable[None]]:
     return refuse
 
 
-router = APIRouter()
+router = APIRouter(route_class=PooledJsonRoute)
 for _methods, _path, _feature in UNSUPPORTED:
     router.add_api_route(_path, _refuse(_feature), methods=list(_methods), include_in_schema=False)
 
 # Registered after every other router: what no route serves, including a known path with another method.
-fallback = APIRouter()
+fallback = APIRouter(route_class=PooledJsonRoute)
 fallback.add_api_route(
     "/{path:path}", _refuse(None), methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
 )
