@@ -35,7 +35,11 @@ def scrape(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """A sample's value; a metric missing from the scrape fails the test (a default of 0 would let every
+    `== 0` pass on a metric that is not exported at all)."""
+    key = (name, tuple(sorted(labels.items())))
+    assert key in samples, f"/metrics has no sample {name}{labels or ''}"
+    return samples[key]
 
 
 def log_lines(
@@ -64,7 +68,8 @@ def test_counters_move_by_what_the_sdk_sent(json_server: Server) -> None:
     after = scrape(json_server)
 
     def moved(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        """How far a counter moved: it must be exported now; a series first seen since counts from 0."""
+        return value(after, name, **labels) - before.get((name, tuple(sorted(labels.items()))), 0.0)
 
     fb_route = {"method": "POST", "route": "/api/v1/forward_backward", "status": "200"}
     assert moved("loraplex_http_requests_total", **fb_route) == 3
