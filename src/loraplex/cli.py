@@ -31,7 +31,7 @@ from loraplex.errors import ServerError, UserError
 from loraplex.log_format import configure_logging
 
 if TYPE_CHECKING:
-    from loraplex.engine.distributed.group import RankEnv
+    from loraplex.engine.distributed.group import RankEnv, RankTimeouts
     from loraplex.engine.distributed.launch import LocalRanks
     from loraplex.engine.local import LocalEngine
     from loraplex.engine.sampler.validation import SamplingLimits
@@ -169,7 +169,7 @@ def _serve_ranks(config: ServerConfig, env: RankEnv, local_ranks: LocalRanks | N
             env,
             _engine_builder(config),
             config.device,
-            config.rank_timeout_s,
+            _rank_timeouts(config),
             on_failure=lambda _cause: os.kill(os.getpid(), signal.SIGTERM),
             local_ranks=local_ranks,
         )
@@ -271,6 +271,7 @@ _ENGINE_OPTIONS = (
     "max_rank",
     "data_dir",
     "rank_timeout_s",
+    "rank_start_timeout_s",
     "pass_token_budget",
 )
 
@@ -296,7 +297,13 @@ def _engine_worker(args: argparse.Namespace) -> int:
     if env.rank == 0:
         check_exposure(config)
         return _serve_ranks(config, env, local_ranks=None)
-    return run_rank(env, _engine_builder(config), config.device, config.rank_timeout_s)
+    return run_rank(env, _engine_builder(config), config.device, _rank_timeouts(config))
+
+
+def _rank_timeouts(config: ServerConfig) -> RankTimeouts:
+    from loraplex.engine.distributed.group import RankTimeouts
+
+    return RankTimeouts(collective_s=config.rank_timeout_s, start_s=config.rank_start_timeout_s)
 
 
 # --- keys

@@ -42,8 +42,14 @@ class ServerConfig(BaseModel):
     rank_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="Longest an engine rank waits on another (start-up included) before the server gives up "
-        "and exits.",
+        description="Longest an engine rank waits on another inside a collective before the server gives up "
+        "and exits (a dead or hung rank is found within it).",
+    )
+    rank_start_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest the engine ranks wait for each other to start (join, load the base model, "
+        "compare it) before giving up.",
     )
 
     # --- network and auth

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,10 +30,12 @@ from tests.api.test_http import KEY, _run, _sampler
 from tests.fakes import VOCAB, FakeEngine
 
 # A request that arrives at any moment is answered within 100 ms (tests/e2e/test_admission.py asks it of
-# healthz), so the loop may never be held that long. On a shared 2-core host under load this session's
-# longest stall measured 27-44 ms (thread switching and the host's scheduling); before the codec pool,
+# healthz), so the app may never hold the loop that long. What the host's scheduler adds (a loaded 2-core
+# host deschedules the loop's thread for tens of ms) is measured in the same test, with the app idle, and
+# allowed on top. Quiet, the longest stall measured 27-44 ms (thread switching); before the codec pool,
 # 3.8 s (the first body decoded on the loop), then 0.5 s and 0.3 s.
 STALL_BOUND_S = 0.1
+_QUIET_WINDOW_S = 1.0
 _BEAT_S = 0.001
 PROTOBUF = {**KEY, "Accept": "application/x-protobuf"}
 
@@ -120,6 +123,8 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
         junk = json.dumps({"user_metadata": {}, "junk": list(range(1_000_000))})  # 7 MB of numbers
         long_prompt = json.dumps({"model": "fake/bigram", "prompt": [7] * 100_000, "max_tokens": 1})
         submitted = {"pass": _settle(http, pass_result), "sample": _settle(http, sample_result)}
+        with loop_stalls(http) as idle_stalls:
+            time.sleep(_QUIET_WINDOW_S)
         with loop_stalls(http) as stalls:
             posts = {
                 "large": ({}, large),
@@ -141,7 +146,8 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
                 for name, future in submitted.items()
                 for form, headers in (("proto", PROTOBUF), ("json", KEY))
             }
-        assert stalls[0] < STALL_BOUND_S, f"the loop was held {stalls[:5]} s"
+        scheduler_s = idle_stalls[0]
+        assert stalls[0] < STALL_BOUND_S + scheduler_s, f"held {stalls[:5]} s, idle {scheduler_s} s"
         assert session.status_code == 413 and "--max-metadata-bytes" in session.json()["detail"]
         assert (
             completion.status_code == 400 and "tokenizer" in completion.text

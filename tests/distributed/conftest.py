@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
-from loraplex.engine.distributed.group import RankEnv
+from loraplex.engine.distributed.group import RankEnv, RankTimeouts
 from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.local import LocalEngine, build_local_engine
@@ -30,6 +30,7 @@ from tests.model.float64 import float64_experts
 
 MAX_SLOTS, MAX_RANK = 4, 16
 VOCAB = 512  # the tiny model's
+_START_TIMEOUT_S = 120.0  # a loaded host can take many seconds to start a rank's Python and torch
 
 
 def build_engine(data_dir: Path, device: str = "cpu", model: str = "tiny") -> LocalEngine:
@@ -142,7 +143,8 @@ def start_ranks(
         model,
     ]
     command += ["--device", "cpu", "--max-slots", str(MAX_SLOTS), "--max-rank", str(MAX_RANK)]
-    command += ["--rank-timeout-s", str(timeout_s)]
+    # Start-up has its own, long timeout: a loaded host may take seconds to start the child.
+    command += ["--rank-timeout-s", str(timeout_s), "--rank-start-timeout-s", str(_START_TIMEOUT_S)]
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
@@ -153,7 +155,7 @@ def start_ranks(
             env,
             lambda device: build_engine(data_dir, device, model),
             "cpu",
-            timeout_s,
+            RankTimeouts(collective_s=timeout_s, start_s=_START_TIMEOUT_S),
             failures.append,
             local_ranks if is_watched else None,
         )

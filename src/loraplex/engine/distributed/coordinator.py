@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from loraplex.engine.distributed.group import RankEnv, RankGroup, leave_group
+from loraplex.engine.distributed.group import RankEnv, RankGroup, RankTimeouts, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
 from loraplex.engine.distributed.protocol import (
     AbortStep,
@@ -350,7 +350,7 @@ def start_coordinator(
     env: RankEnv,
     build: EngineBuilder,
     device: str,
-    timeout_s: float,
+    timeouts: RankTimeouts,
     on_failure: Callable[[str], None],
     local_ranks: LocalRanks | None = None,
 ) -> DistributedEngine:
@@ -360,11 +360,11 @@ def start_coordinator(
     """
     try:
         if local_ranks is None:
-            local, group = start_rank(env, build, device, timeout_s)
+            local, group = start_rank(env, build, device, timeouts)
         else:
-            local, group = local_ranks.run_watched(lambda: start_rank(env, build, device, timeout_s))
+            local, group = local_ranks.run_watched(lambda: start_rank(env, build, device, timeouts))
     except BaseException:
         if local_ranks is not None:
             local_ranks.stop(0.0)
         raise
-    return DistributedEngine(local, group, timeout_s, on_failure, local_ranks)
+    return DistributedEngine(local, group, timeouts.collective_s, on_failure, local_ranks)

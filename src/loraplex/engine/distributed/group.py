@@ -26,6 +26,16 @@ _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
+class RankTimeouts:
+    """How long a rank waits on the others: to start (meet, load the model, compare digests), which can
+    take minutes on a large base or a slow disk, and inside any later collective, where a rank that is
+    silent for long has died or hung and must be found quickly."""
+
+    collective_s: float
+    start_s: float
+
+
+@dataclass(frozen=True)
 class RankEnv:
     """Where this rank sits in the group and where the group meets (rank 0's store)."""
 
@@ -84,6 +94,7 @@ class RankGroup:
     world_size: int
     data: dist.ProcessGroup
     control: dist.ProcessGroup
+    start_group: dist.ProcessGroup  # gloo, with the start-up timeout: used before the engine is ready
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -100,21 +111,26 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def join_group(env: RankEnv, device: torch.device, timeout_s: float) -> RankGroup:
-    """Meet the other ranks (blocks until all have joined, at most timeout_s) and open both groups."""
-    timeout = timedelta(seconds=timeout_s)
+def join_group(env: RankEnv, device: torch.device, timeouts: RankTimeouts) -> RankGroup:
+    """Meet the other ranks (blocks until all have joined, at most timeouts.start_s) and open both groups.
+
+    The default group (gloo) keeps the start-up timeout and serves start-up alone (`start_group`); the
+    data and control groups, used from then on, have the collective timeout.
+    """
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6 literal
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        "gloo",
         init_method=f"tcp://{host}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=timeout,
+        timeout=timedelta(seconds=timeouts.start_s),
     )
-    control = dist.new_group(backend="gloo", timeout=timeout)
-    return RankGroup(env.rank, env.world_size, dist.group.WORLD, control)
+    collective = timedelta(seconds=timeouts.collective_s)
+    data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=collective)
+    control = dist.new_group(backend="gloo", timeout=collective)
+    return RankGroup(env.rank, env.world_size, data, control, start_group=dist.group.WORLD)
 
 
 def leave_group() -> None:

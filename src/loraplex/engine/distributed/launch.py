@@ -18,7 +18,14 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.distributed.group import RankEnv, RankGroup, join_group, leave_group, rank_device
+from loraplex.engine.distributed.group import (
+    RankEnv,
+    RankGroup,
+    RankTimeouts,
+    join_group,
+    leave_group,
+    rank_device,
+)
 from loraplex.engine.local import LocalEngine
 from loraplex.errors import ServerError, UserError
 
@@ -29,15 +36,15 @@ _POLL_S = 0.05
 
 
 def start_rank(
-    env: RankEnv, build: EngineBuilder, device: str, timeout_s: float
+    env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts
 ) -> tuple[LocalEngine, RankGroup]:
     """Join the group, build this rank's engine, and check that every rank serves the same base model."""
     device_name = rank_device(device, env.local_rank)
-    group = join_group(env, torch.device(device_name), timeout_s)
+    group = join_group(env, torch.device(device_name), timeouts)
     try:
         engine = build(device_name)
         digests: list[str | None] = [None] * env.world_size
-        dist.all_gather_object(digests, engine.info.base_model_digest, group=group.control)
+        dist.all_gather_object(digests, engine.info.base_model_digest, group=group.start_group)
         if len(set(digests)) > 1:
             raise UserError(
                 f"the engine ranks loaded different base models (digest by rank: {digests}); "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from loraplex.engine.distributed.group import RankEnv, RankGroup, leave_group
+from loraplex.engine.distributed.group import RankEnv, RankGroup, RankTimeouts, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, start_rank
 from loraplex.engine.distributed.protocol import Shutdown, gather_replies, scatter_commands
 from loraplex.engine.distributed.replica import answer
@@ -26,9 +26,9 @@ def serve_commands(engine: LocalEngine, group: RankGroup) -> None:
         gather_replies(group, answer(command, engine, group))
 
 
-def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeout_s: float) -> int:
+def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts) -> int:
     """A worker rank's whole life: start, serve commands, leave; the process exit code."""
-    engine, group = start_rank(env, build, device, timeout_s)
+    engine, group = start_rank(env, build, device, timeouts)
     log.info("engine rank %d of %d ready on %s", env.rank, env.world_size, engine.info.device)
     try:
         serve_commands(engine, group)
