@@ -16,6 +16,10 @@ module paths are our own names; the one exception is an MoE layer's experts, sta
 The base is frozen; LoRA slots attach to the MultiLoRALinear and ExpertLinear layers.
 Two forwards share every block: `forward` over a packed batch of whole sequences, and `forward_cached`
 over new tokens that extend sequences held in a KV cache (prefill, then one token per decode step).
+Under tensor parallelism (a `TensorParallel` of several ranks, tensor_parallel.py) each rank holds a part
+of every block: attention by heads (N/T query and K/T kv heads; the per-head q/k norms whole), the dense
+MLP by its width, the embedding and lm_head by vocabulary rows; everything else is whole on every rank.
+Hidden states are whole on every rank, and `lm_head` gives this rank's vocabulary rows of the logits.
 Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
 
 Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab,
@@ -36,6 +40,15 @@ from loraplex.model.kv_cache import CacheStep
 from loraplex.model.moe import ExpertLinear, SparseMoE
 from loraplex.model.multi_lora import LoRARouting, LoRATarget, MultiLoRALinear
 from loraplex.model.packing import PackedSequences
+from loraplex.model.tensor_parallel import (
+    SINGLE,
+    Split,
+    TensorParallel,
+    VocabShard,
+    check_shardable,
+    copy_to_tp,
+    vocab_parallel_embedding,
+)
 
 Device = torch.device | str | None
 # attend(q_TNH, k_TKH, v_TKH) -> out_TNH: one layer's attention between projections, bound per forward.
@@ -69,18 +82,47 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Project, (q/k norm), rotate, attend (packed or over a KV cache, as bound by the forward), project."""
+class Embedding(nn.Module):
+    """Token id -> its row of `weight` (V, D); under tensor parallelism this rank holds a range of rows."""
 
-    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: DecoderConfig, tp: TensorParallel, device: Device, dtype: torch.dtype | None
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.split = tp.split(config.vocab_size, 0)
+        shape = (config.vocab_size, config.hidden_size)
+        if self.split is not None:
+            shape = self.split.part_shape(shape)
+        self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+    def parameter_splits(self) -> dict[str, Split]:
+        """Parameter name -> this rank's part of the whole embedding's, when split."""
+        return {} if self.split is None else {"weight": self.split}
+
+    def forward(self, tokens_T: Tensor) -> Tensor:
+        if self.split is None:
+            return nn.functional.embedding(tokens_T, self.weight)
+        return vocab_parallel_embedding(tokens_T, self.weight, self.split, self.tp)
+
+
+class Attention(nn.Module):
+    """Project, (q/k norm), rotate, attend (packed or over a KV cache, as bound by the forward), project;
+    under tensor parallelism over this rank's heads only."""
+
+    def __init__(
+        self, config: DecoderConfig, tp: TensorParallel, device: Device, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         D, H = config.hidden_size, config.head_dim
         N, K = config.num_attention_heads, config.num_key_value_heads
-        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
-        self.q_proj = MultiLoRALinear(D, N * H, config.qkv_bias, device, dtype)
-        self.k_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype)
-        self.v_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype)
-        self.o_proj = MultiLoRALinear(N * H, D, config.o_bias, device, dtype)
+        self.tp = tp
+        # check_shardable ensures tp.size divides both: a rank's query heads share its kv heads.
+        self.num_heads, self.num_kv_heads, self.head_dim = N // tp.size, K // tp.size, H
+        self.q_proj = MultiLoRALinear(D, N * H, config.qkv_bias, device, dtype, tp)
+        self.k_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype, tp)
+        self.v_proj = MultiLoRALinear(D, K * H, config.qkv_bias, device, dtype, tp)
+        self.o_proj = MultiLoRALinear(N * H, D, config.o_bias, device, dtype, tp, is_row_parallel=True)
         self.q_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
 
@@ -88,6 +130,7 @@ class Attention(nn.Module):
         self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
     ) -> Tensor:
         T = x_TD.shape[0]
+        x_TD = copy_to_tp(x_TD, self.tp)  # once for q, k and v: one gradient all-reduce
         q_TNH = self.q_proj(x_TD, routing).view(T, self.num_heads, self.head_dim)
         k_TKH = self.k_proj(x_TD, routing).view(T, self.num_kv_heads, self.head_dim)
         v_TKH = self.v_proj(x_TD, routing).view(T, self.num_kv_heads, self.head_dim)
@@ -99,16 +142,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); under tensor parallelism over this rank's part of the width F."""
 
-    def __init__(self, config: DecoderConfig, device: Device, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: DecoderConfig, tp: TensorParallel, device: Device, dtype: torch.dtype | None
+    ) -> None:
         super().__init__()
         D, F = config.hidden_size, config.intermediate_size
-        self.gate_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype)
-        self.up_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype)
-        self.down_proj = MultiLoRALinear(F, D, config.mlp_bias, device, dtype)
+        self.tp = tp
+        self.gate_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype, tp)
+        self.up_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype, tp)
+        self.down_proj = MultiLoRALinear(F, D, config.mlp_bias, device, dtype, tp, is_row_parallel=True)
 
     def forward(self, x_TD: Tensor, routing: LoRARouting | None) -> Tensor:
+        x_TD = copy_to_tp(x_TD, self.tp)  # once for gate and up: one gradient all-reduce
         hidden_TF = nn.functional.silu(self.gate_proj(x_TD, routing)) * self.up_proj(x_TD, routing)
         return self.down_proj(hidden_TF, routing)
 
@@ -116,13 +163,20 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is sparse in MoE layers."""
 
-    def __init__(self, config: DecoderConfig, layer: int, device: Device, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        layer: int,
+        tp: TensorParallel,
+        device: Device,
+        dtype: torch.dtype | None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(config, device, dtype)
+        self.self_attn = Attention(config, tp, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(config, device, dtype) if config.is_moe_layer(layer) else MLP(config, device, dtype)
+            SparseMoE(config, device, dtype) if config.is_moe_layer(layer) else MLP(config, tp, device, dtype)
         )
 
     def forward(
@@ -136,27 +190,33 @@ class Decoder(nn.Module):
     """The frozen base model: embed, blocks, final norm; `lm_head` is applied separately, in chunks.
 
     Weights are allocated uninitialised (load_decoder fills them); on the meta device it only
-    describes shapes. Activations take the weights' dtype.
+    describes shapes. Activations take the weights' dtype. Under tensor parallelism (`tp`) every weight
+    is allocated at this rank's part's shape (no rank holds a whole split weight), and the group is used
+    by forwards only, so a meta-device Decoder of any `tp` describes that rank's shapes.
     """
 
     def __init__(
-        self, config: DecoderConfig, device: Device = None, dtype: torch.dtype | None = None
+        self,
+        config: DecoderConfig,
+        device: Device = None,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
+        check_shardable(config, tp, config.model_type)
         self.config = config
+        self.tp = tp
         self.model = nn.ModuleDict(
             {
-                "embed_tokens": nn.utils.skip_init(
-                    nn.Embedding, config.vocab_size, config.hidden_size, device=device, dtype=dtype
-                ),
+                "embed_tokens": Embedding(config, tp, device, dtype),
                 "layers": nn.ModuleList(
-                    Block(config, layer, device, dtype) for layer in range(config.num_hidden_layers)
+                    Block(config, layer, tp, device, dtype) for layer in range(config.num_hidden_layers)
                 ),
                 "norm": RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype),
             }
         )
         self.rotary = RotaryEmbedding(config, device)
-        self.lm_head = MultiLoRALinear(config.hidden_size, config.vocab_size, False, device, dtype)
+        self.lm_head = MultiLoRALinear(config.hidden_size, config.vocab_size, False, device, dtype, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Only slot tensors (held by reference, not registered here) are ever trained.
@@ -165,7 +225,11 @@ class Decoder(nn.Module):
     def forward(
         self, tokens_T: Tensor, packing: PackedSequences, routing: LoRARouting | None = None
     ) -> Tensor:
-        """Final-normed hidden states (T, D) of a packed batch; routing None = base model only."""
+        """Final-normed hidden states (T, D) of a packed batch; routing None = base model only.
+
+        Under tensor parallelism they enter `lm_head` (column-parallel): their gradient is summed over
+        the ranks in backward, so a caller's backward from this rank's vocabulary rows is complete.
+        """
         if tokens_T.shape[0] != packing.num_tokens:
             raise ValueError(f"{tokens_T.shape[0]} tokens but the packing describes {packing.num_tokens}")
 
@@ -196,13 +260,30 @@ class Decoder(nn.Module):
         rope_TH = self.rotary(positions_T, x_TD.dtype)
         for layer, block in enumerate(self.model.layers):
             x_TD = block(x_TD, rope_TH, partial(attend, layer), routing)
-        return self.model.norm(x_TD)
+        return copy_to_tp(self.model.norm(x_TD), self.tp)
 
     def logits(
         self, tokens_T: Tensor, packing: PackedSequences, routing: LoRARouting | None = None
     ) -> Tensor:
-        """Full (T, V) logits in one go, for tests and small batches; the engine chunks `lm_head` itself."""
+        """Full (T, V) logits in one go, for tests and small batches; the engine chunks `lm_head` itself.
+        Under tensor parallelism, this rank's vocabulary rows (T, V/T) of them (`vocab_shard`)."""
         return self.lm_head(self.forward(tokens_T, packing, routing), routing)
+
+    @property
+    def vocab_shard(self) -> VocabShard | None:
+        """The vocabulary rows of the logits `lm_head` gives on this rank; None when it gives all of them."""
+        split = self.lm_head.split
+        return None if split is None else VocabShard(split, self.tp)
+
+    def parameter_splits(self) -> dict[str, Split]:
+        """State-dict key -> this rank's part of that tensor of the whole model, for every tensor split over
+        tensor-parallel ranks (none with one rank); a tied lm_head.weight is listed under both keys."""
+        return {
+            f"{name}.{parameter}": split
+            for name, module in self.named_modules()
+            if isinstance(module, MultiLoRALinear | Embedding)
+            for parameter, split in module.parameter_splits().items()
+        }
 
     def lora_targets(self) -> dict[str, tuple[LoRATarget, str]]:
         """Module path -> (layer, group in {"attn", "mlp", "unembed"}), layers in forward order; the path

@@ -5,7 +5,9 @@ layouts of MoE experts (`_LAYOUTS`): one (F, D) tensor per expert and projection
 and the hub write them, or transformers' fused in-memory (E, 2F, D) gate_up_proj and (E, D, F)
 down_proj, each filling our one stacked (E, O, I) tensor per projection. One loop applies the table.
 Every key is checked before any tensor is read: a shape mismatch names the key and both shapes;
-missing and unexpected keys are listed. Also the digest that identifies a base model's weights, and
+missing and unexpected keys are listed. Under tensor parallelism each rank reads only its part of every
+split tensor (a safetensors slice), so no rank ever holds a whole split weight, in host memory either.
+Also the digest that identifies a base model's weights, and
 `to_hf_layout`, which lays out a Decoder's state the way HF checkpoints store it.
 Knows nothing of slots, runs or the engine; writes nothing to disk.
 """
@@ -17,13 +19,14 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.decoder import Decoder
+from loraplex.model.tensor_parallel import SINGLE, Split, TensorParallel, check_shardable
 
 _SINGLE_FILE = "model.safetensors"
 _SHARD_INDEX = "model.safetensors.index.json"
@@ -75,15 +78,22 @@ def read_config(model_dir: Path | str) -> DecoderConfig:
 
 
 def load_decoder(
-    model_dir: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    model_dir: Path | str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    tp: TensorParallel = SINGLE,
 ) -> Decoder:
-    """Build the decoder described by `model_dir/config.json` and fill it from its safetensors files."""
-    decoder = Decoder(read_config(model_dir), device=device, dtype=dtype)
+    """Build the decoder described by `model_dir/config.json` and fill it from its safetensors files;
+    under tensor parallelism, this rank's part of it (Decoder's `tp`), read from slices of the files."""
+    config = read_config(model_dir)
+    check_shardable(config, tp, str(model_dir))  # as Decoder does, but naming the directory
+    decoder = Decoder(config, device=device, dtype=dtype, tp=tp)
     files = _weight_files(Path(model_dir))
     tensors = decoder.state_dict(keep_vars=True)
+    splits = decoder.parameter_splits()
     if decoder.config.tie_word_embeddings:
         del tensors[_TIED_ALIAS]  # the same Parameter as embed_tokens' weight
-    has_tied_alias = _check_keys_and_shapes(files, tensors, decoder.config.tie_word_embeddings)
+    has_tied_alias = _check_keys_and_shapes(files, tensors, splits, decoder.config.tie_word_embeddings)
     with torch.no_grad():
         for path in files:
             with safe_open(path, framework="pt") as f:
@@ -91,9 +101,10 @@ def load_decoder(
                     file_shape = tuple(f.get_slice(key).get_shape())
                     for piece in _pieces(key, file_shape):
                         if piece.key in tensors:
-                            _target(tensors[piece.key], piece).copy_(_source(f.get_tensor(key), piece))
+                            source = _read(f, key, piece, splits.get(piece.key))
+                            _target(tensors[piece.key], piece).copy_(source)
         if has_tied_alias:
-            _check_tied_alias(files, tensors[_TIED_TARGET])
+            _check_tied_alias(files, tensors[_TIED_TARGET], splits.get(_TIED_TARGET))
     return decoder
 
 
@@ -159,8 +170,20 @@ def _source(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
     return tensor if piece.columns is None else tensor[:, piece.columns]
 
 
-def _check_keys_and_shapes(files: list[Path], expected: dict[str, torch.Tensor], is_tied: bool) -> bool:
-    """Raise listing every missing, unexpected or misshapen key; return whether a tied lm_head is stored."""
+def _read(f: Any, key: str, piece: _Piece, split: Split | None) -> torch.Tensor:
+    """What a piece takes of an open file's tensor `key`; of a tensor split over tensor-parallel ranks, only
+    this rank's part, read as a slice so that no other bytes leave the file. (Expert pieces are never
+    split: MoE models are refused under tensor parallelism.)"""
+    if split is None:
+        return _source(f.get_tensor(key), piece)
+    return f.get_slice(key)[split.index()]
+
+
+def _check_keys_and_shapes(
+    files: list[Path], expected: dict[str, torch.Tensor], splits: dict[str, Split], is_tied: bool
+) -> bool:
+    """Raise listing every missing, unexpected or misshapen key (against the whole model's shapes, of
+    which `splits` names this rank's parts); return whether a tied lm_head is stored."""
     filled: dict[str, set[int | None]] = {}  # Decoder key -> expert rows filled (None: all of it)
     unexpected: list[str] = []
     mismatched: list[str] = []
@@ -181,6 +204,8 @@ def _check_keys_and_shapes(files: list[Path], expected: dict[str, torch.Tensor],
                     if not is_alias:  # the alias is checked against the embedding, it does not fill it
                         filled.setdefault(piece.key, set()).add(piece.expert)
                     model_shape = tuple(_target(expected[piece.key], piece).shape)
+                    if piece.key in splits:
+                        model_shape = splits[piece.key].full_shape(model_shape)
                     shape = _part_shape(file_shape, piece)
                     if shape != model_shape:
                         mismatched.append(f"{key}: checkpoint {shape} vs model {model_shape}")
@@ -225,12 +250,14 @@ def _describe_missing(key: str, filled: set[int | None], tensor: torch.Tensor) -
     return f"{stacked['experts']}.N.{stacked['proj']}.weight for N in {experts}"
 
 
-def _check_tied_alias(files: list[Path], embedding: torch.Tensor) -> None:
-    """A stored lm_head.weight of a tied model must equal the embedding, or the tie would silently drop it."""
+def _check_tied_alias(files: list[Path], embedding: torch.Tensor, split: Split | None) -> None:
+    """A stored lm_head.weight of a tied model must equal the embedding (this rank's part of it, when
+    split), or the tie would silently drop it."""
     for path in files:
         with safe_open(path, framework="pt") as f:
             if _TIED_ALIAS in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                stored = f.get_tensor(_TIED_ALIAS).to(device=embedding.device, dtype=embedding.dtype)
+                stored = _read(f, _TIED_ALIAS, _Piece(_TIED_TARGET, None, None), split)
+                stored = stored.to(device=embedding.device, dtype=embedding.dtype)
                 if not torch.equal(stored, embedding):
                     raise ModelLoadError(
                         f"config ties lm_head to embed_tokens but {path.name} holds a different {_TIED_ALIAS}"

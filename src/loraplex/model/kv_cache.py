@@ -5,8 +5,9 @@ themselves through `packed_attention`, as in training) and writes their keys and
 a `DecodeStep` runs one new token per row against that row's cache (`decode_attention`). Steps are built
 once per forward and passed to every layer, like the packing metadata. Storage is one zero-filled
 (R, K, C, H) tensor per layer for keys and one for values, grown by doubling when a row needs more
-capacity or more rows are live, and dropped when no row is. Knows nothing of requests, sampling,
-slots or snapshots.
+capacity or more rows are live, and dropped when no row is. Under tensor parallelism a rank caches
+its own K/T kv heads, the ones its attention computes. Knows nothing of requests, sampling, slots or
+snapshots.
 
 Layout choice, measured for one decode layer on 2 CPU cores (heads K=2, G=2, H=64 as in the tiny model;
 cached lengths uniform in 32..512, a quarter of the rows free), median µs for B = 8 / 16 / 32 / 64:
@@ -34,6 +35,7 @@ from torch import Tensor
 from loraplex.model.attention import decode_attention, packed_attention
 from loraplex.model.config import DecoderConfig
 from loraplex.model.packing import PackedSequences
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 
 
 class CacheStep(Protocol):
@@ -50,11 +52,18 @@ class CacheStep(Protocol):
 
 
 class KVCache:
-    """Keys and values of every layer for up to R rows, each holding one sequence's first tokens."""
+    """Keys and values of every layer for up to R rows, each holding one sequence's first tokens; the
+    decoder's `tp` says which of its kv heads this rank holds."""
 
-    def __init__(self, config: DecoderConfig, device: torch.device | str | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        device: torch.device | str | None,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         self._num_layers = config.num_hidden_layers
-        self._head_shape = (config.num_key_value_heads, config.head_dim)
+        self._head_shape = (config.num_key_value_heads // tp.size, config.head_dim)
         self._factory = {"device": device, "dtype": dtype}
         self._itemsize = dtype.itemsize
         self._lengths: list[int | None] = []  # tokens cached per row; None = the row is free

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from loraplex.model.config import DecoderConfig
 from loraplex.model.grouped_mm import grouped_mm
 from loraplex.model.multi_lora import LoRARouting, SlotWeights
+from loraplex.model.tensor_parallel import WHOLE, LoRASharding
 
 Device = torch.device | str | None
 
@@ -99,6 +100,11 @@ class ExpertLinear(nn.Module):
         """The shapes of a rank-`rank` slot's A and B: one rank block per expert."""
         rows = self.num_experts * rank
         return (rows, self.in_features), (self.out_features, rows)
+
+    def lora_sharding(self) -> LoRASharding:
+        """Whole on every rank: expert layers are never split over tensor-parallel ranks (decoder.py
+        refuses MoE models under tensor parallelism)."""
+        return WHOLE
 
     def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None:
         """Route `slot`'s rows through A (E·R, in) and B (out, E·R), held by reference (replacing any)."""

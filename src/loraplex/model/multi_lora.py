@@ -4,7 +4,9 @@
 and passed to every `MultiLoRALinear`. `add_lora_delta` (one custom autograd node, `_SegmentedLoRA`) is
 the one place the delta is computed, with `add_lora_delta_reference` (a per-token loop) beside it;
 changing the strategy changes this file only.
-The slot tensors belong to the engine's slot pool: layers keep references, never copies.
+The slot tensors belong to the engine's slot pool: layers keep references, never copies. Under tensor
+parallelism a layer holds this rank's part of the base weight and of each slot's A or B
+(tensor_parallel.py says which); the delta op itself never learns of it.
 Knows nothing of runs, tenants, optimizers or checkpoints.
 
 Shapes: T packed tokens, I in features, O out features, R a slot's rank, G segments computed together,
@@ -23,6 +25,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from loraplex.model.tensor_parallel import SINGLE, WHOLE, LoRASharding, Split, TensorParallel, reduce_from_tp
 
 
 class TokenSlots(NamedTuple):
@@ -352,6 +356,11 @@ def add_lora_delta_reference(
 class MultiLoRALinear(nn.Module):
     """y = x Wᵀ + b for every token, plus the routed slot's scale · (x Aᵀ) Bᵀ; W and b are frozen.
 
+    `in_features` and `out_features` are the whole layer's. Under tensor parallelism (`tp` of several
+    ranks) this rank holds a range of W's output rows (column-parallel, the default: the input must
+    come through `copy_to_tp`) or, with `is_row_parallel`, of its input columns (the input is this
+    rank's columns of x; the output is summed over the ranks here, base and slot deltas in one
+    all-reduce, then the bias added once). Slots attach this rank's part of A and B (`lora_sharding`).
     Parameters are allocated uninitialised: a checkpoint loader fills them.
     """
 
@@ -362,24 +371,34 @@ class MultiLoRALinear(nn.Module):
         bias: bool,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
+        is_row_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.tp = tp
+        self.split = tp.split(in_features, 1) if is_row_parallel else tp.split(out_features, 0)
+        self._is_partial = is_row_parallel and self.split is not None  # outputs are partial sums
+        rows, columns = (out_features, in_features)
+        if self.split is not None:
+            rows, columns = self.split.part_shape((out_features, in_features))
         factory = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, **factory), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(torch.empty(rows, columns, **factory), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(rows, **factory), requires_grad=False) if bias else None
         # Plain dict, not registered: slot tensors are the slot pool's, not this module's state.
         self._slots: dict[int, SlotWeights] = {}
 
     def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None:
-        """Route `slot`'s segments through A (R, in) and B (out, R), held by reference (replacing any)."""
+        """Route `slot`'s segments through A (R, in) and B (out, R), held by reference (replacing any);
+        under tensor parallelism, this rank's parts of them (`lora_sharding`)."""
         rank = A_RI.shape[0]
-        if A_RI.shape != (rank, self.in_features) or B_OR.shape != (self.out_features, rank):
+        shape_A, shape_B = self.lora_shapes(rank)
+        if A_RI.shape != shape_A or B_OR.shape != shape_B:
             raise ValueError(
                 f"slot {slot}: A {tuple(A_RI.shape)} and B {tuple(B_OR.shape)} do not fit a "
-                f"{self.in_features} -> {self.out_features} layer; expected (R, {self.in_features}) "
-                f"and ({self.out_features}, R)"
+                f"{self.in_features} -> {self.out_features} layer; expected {shape_A} and {shape_B}"
+                + ("" if self.split is None else f" (this rank's parts, tensor-parallel rank {self.tp.rank})")
             )
         if A_RI.dtype != torch.float32 or B_OR.dtype != torch.float32:
             raise ValueError(f"slot {slot}: LoRA tensors must be float32, got {A_RI.dtype} and {B_OR.dtype}")
@@ -394,34 +413,60 @@ class MultiLoRALinear(nn.Module):
         return slot in self._slots
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The shapes of a rank-`rank` slot's A and B on this layer."""
-        return (rank, self.in_features), (self.out_features, rank)
+        """The shapes of a rank-`rank` slot's A and B as this rank attaches them (the whole layer's, but
+        for the split dim under tensor parallelism)."""
+        rows, columns = self.weight.shape
+        return (rank, columns), (rows, rank)
+
+    def lora_sharding(self) -> LoRASharding:
+        """Which of a slot's A and B this rank holds only part of: B by output rows on a column-parallel
+        layer, A by input columns on a row-parallel one; the other is whole."""
+        if self.split is None:
+            return WHOLE
+        return LoRASharding(self.split, None) if self._is_partial else LoRASharding(None, self.split)
+
+    def parameter_splits(self) -> dict[str, Split]:
+        """Parameter name -> this rank's part of the whole layer's, for the parameters that are split."""
+        if self.split is None:
+            return {}
+        has_split_bias = self.bias is not None and not self._is_partial
+        return {"weight": self.split, **({"bias": self.split} if has_split_bias else {})}
 
     def forward(self, x_TI: Tensor, routing: LoRARouting | None = None) -> Tensor:
         """Base projection of every token once, plus each routed segment's slot delta."""
-        y_TO = nn.functional.linear(x_TI, self.weight, self.bias)
-        if routing is None:
+        y_TO = nn.functional.linear(x_TI, self.weight, None if self._is_partial else self.bias)
+        if routing is not None:
+            if routing.num_tokens != x_TI.shape[0]:
+                raise ValueError(
+                    f"routing covers {routing.num_tokens} tokens but the input has {x_TI.shape[0]}"
+                )
+            y_TO = _add_lora_delta_(y_TO, x_TI, routing, self._slots)
+        if not self._is_partial:
             return y_TO
-        if routing.num_tokens != x_TI.shape[0]:
-            raise ValueError(f"routing covers {routing.num_tokens} tokens but the input has {x_TI.shape[0]}")
-        return _add_lora_delta_(y_TO, x_TI, routing, self._slots)
+        # One all-reduce sums the base's and every slot's partial products over the input columns.
+        y_TO = reduce_from_tp(y_TO, self.tp)
+        return y_TO if self.bias is None else y_TO + self.bias
 
     def extra_repr(self) -> str:
+        split = "" if self.split is None else f", split={tuple(self.split)}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, slots={sorted(self._slots)}"
+            f"bias={self.bias is not None}{split}, slots={sorted(self._slots)}"
         )
 
 
 class LoRATarget(Protocol):
     """What the slot pool and the snapshot cache need of a layer that slots attach to (MultiLoRALinear,
-    moe.ExpertLinear): a frozen `weight`, its feature sizes, the slot tensors' shapes, attach / detach."""
+    moe.ExpertLinear): a frozen `weight`, its feature sizes, the slot tensors' shapes and how they are
+    split over tensor-parallel ranks, attach / detach."""
 
     in_features: int
     out_features: int
     weight: Tensor
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]: ...
+
+    def lora_sharding(self) -> LoRASharding: ...
 
     def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None: ...
 
@@ -451,7 +496,9 @@ def init_slot_weights(
 
     One CPU generator seeded with `seed` draws A for every target in `targets` order, kept or not, so a
     target's initial A depends only on (seed, rank, model), never on which groups the slot trains. An
-    expert layer's A stacks one rank block per expert, each drawn like a linear layer's A.
+    expert layer's A stacks one rank block per expert, each drawn like a linear layer's A. Under tensor
+    parallelism every rank draws the whole layer's A and keeps its part, so the parts are those of the
+    single-rank slot.
     """
     generator = torch.Generator().manual_seed(seed)
     weights = {}
@@ -459,5 +506,5 @@ def init_slot_weights(
         (rows, _), _ = layer.lora_shapes(rank)
         pair = init_lora_pair(layer.in_features, layer.out_features, rows, generator)
         if group in groups:
-            weights[name] = pair
+            weights[name] = layer.lora_sharding().of(*pair)
     return weights
