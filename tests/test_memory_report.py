@@ -4,6 +4,8 @@ a split by naming its reason, and say which tensor-parallel sizes fit which card
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,9 @@ from loraplex.model.memory_plan import Card, LoraSpec, plan_rank
 from loraplex.model.presets import PUBLISHED
 
 GIB = 1 << 30
+MEMORY_DOC = Path(__file__).resolve().parents[1] / "docs" / "MEMORY.md"
+# A table pasted into the doc: the command's arguments, then its output verbatim.
+PASTED = re.compile(r"<!-- loraplex memory-plan(.*?) -->\n(.*?)<!-- end of loraplex memory-plan -->", re.S)
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -97,3 +102,15 @@ def test_a_bad_model_or_option_is_a_usage_error(capsys: pytest.CaptureFixture[st
     for bad in (["--tp", "0"], ["--targets", "attn,lm"], ["--card", "80"]):
         with pytest.raises(SystemExit):
             main(["memory-plan", *bad])
+
+
+def test_every_table_in_the_memory_doc_is_what_its_command_prints_now(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pasted = PASTED.findall(MEMORY_DOC.read_text())
+    assert [args for args, _ in pasted] == [
+        "",
+        " --model Qwen3-30B-A3B Qwen3-235B-A22B --targets attn,unembed",
+    ]
+    for args, table in pasted:
+        assert _run(capsys, *shlex.split(args)) == table, f"docs/MEMORY.md: rerun loraplex memory-plan{args}"
