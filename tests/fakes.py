@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loraplex.engine.interface import Engine, EngineInfo
+from loraplex.engine.interface import Engine, EngineInfo, EngineUsage, ParameterBytes
 from loraplex.engine.losses import compute_loss, pack_loss_inputs
 from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.types import (
@@ -321,6 +321,13 @@ class FakeEngine(Engine):
             scored = lp[np.arange(len(lp)), request.prompt[1:]]
             prompt_logprobs = np.concatenate([[np.nan], scored]).astype(np.float32)
         return SampleResult(sequences, prompt_logprobs)
+
+    # --- telemetry: one rank, its arrays' bytes by kind
+    def usage(self) -> EngineUsage:
+        slots = self.slots.values()
+        adapter = sum(s.A.nbytes + s.B.nbytes for s in slots)
+        optimizer = sum(a.nbytes for s in slots for a in (*s.grad.values(), *s.moments.values()))
+        return EngineUsage(parameter_bytes=(ParameterBytes(self.base.nbytes, adapter, optimizer),))
 
 
 def _norm(grad: dict[str, np.ndarray]) -> float:

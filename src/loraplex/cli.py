@@ -1,5 +1,5 @@
-"""The `loraplex` command: subcommands `serve`, `engine-worker`, `keys`, `doctor`, `gc`, `demo` and `bench`,
-each registered by a small function.
+"""The `loraplex` command: subcommands `serve`, `engine-worker`, `keys`, `doctor`, `gc`, `demo`, `bench` and
+`memory-plan`, each registered by a small function.
 
 To add a subcommand (e.g. bench), write `_add_<name>(subparsers)` that sets
 `handler=` on its parser and list it in SUBCOMMANDS. Server options come from ServerConfig's fields,
@@ -442,6 +442,15 @@ def _add_bench(subparsers: Any) -> None:
     add_bench_parser(subparsers)
 
 
+# --- memory-plan
+def _add_memory_plan(subparsers: Any) -> None:
+    from loraplex import memory_report  # light: arithmetic over configs, no torch
+
+    parser = subparsers.add_parser("memory-plan", help=memory_report.HELP)
+    memory_report.add_arguments(parser)
+    parser.set_defaults(handler=memory_report.run)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_serve,
     _add_engine_worker,
@@ -450,6 +459,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_gc,
     _add_demo,
     _add_bench,
+    _add_memory_plan,
 ]
 
 

@@ -1,6 +1,6 @@
-"""`loraplex serve --nproc 2` through the official SDK: it trains as `--nproc 1` does, stops its ranks
-when it stops (or dies), and exits with a clear message when a rank dies; runs then resume from
-checkpoints.
+"""`loraplex serve --nproc 2` through the official SDK: it trains as `--nproc 1` does, reports every rank's
+bytes on /metrics, stops its ranks when it stops (or dies), and exits with a clear message when a rank
+dies; runs then resume from checkpoints.
 
 Servers are real subprocesses on free loopback ports (tests/e2e/conftest.py), always stopped.
 """
@@ -19,6 +19,7 @@ from tinker import types
 
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import base_model, client
+from tests.e2e.test_observability import scrape_until, tiny_plan
 
 LENGTHS = (6, 11, 17, 4)  # per datum: both ranks get some of each request
 
@@ -79,8 +80,24 @@ def _server(tmp_path: Path, name: str, *args: str) -> Server:
     return Server(data_dir, list(args))
 
 
+def _rank_bytes(server: Server, ranks: int, adapter: int) -> dict[tuple[int, str], float]:
+    """loraplex_rank_parameter_bytes of every rank by kind, once each rank reports `adapter` bytes of
+    adapters (the engine loop refreshes the gauges about once a second)."""
+    key = "loraplex_rank_parameter_bytes"
+    samples = scrape_until(
+        server,
+        lambda s: all(s.get((key, (("kind", "adapter"), ("rank", str(r))))) == adapter for r in range(ranks)),
+    )
+    found = {}
+    for (name, pairs), v in samples.items():
+        if name == key:
+            labels = dict(pairs)
+            found[(int(labels["rank"]), labels["kind"])] = v
+    return found
+
+
 def test_two_ranks_train_through_the_sdk_as_one_rank_does_and_stop_with_the_server(tmp_path) -> None:
-    outcomes = []
+    outcomes, held = [], []
     for nproc in ("1", "2"):
         server = _server(tmp_path, f"nproc{nproc}", "--nproc", nproc)
         try:
@@ -93,6 +110,8 @@ def test_two_ranks_train_through_the_sdk_as_one_rank_does_and_stop_with_the_serv
                 .result()
             )
             outcomes.append((_train(run, 3), _logprobs(run)))
+            plan = tiny_plan(server)
+            held.append(_rank_bytes(server, int(nproc), plan.slot.weights))
         finally:
             server.stop()
         assert all(_is_gone(pid) for pid in workers)
@@ -100,6 +119,15 @@ def test_two_ranks_train_through_the_sdk_as_one_rank_does_and_stop_with_the_serv
     (losses_1, logprobs_1), (losses_2, logprobs_2) = outcomes
     np.testing.assert_allclose(losses_2, losses_1, rtol=1e-5)
     np.testing.assert_allclose(logprobs_2, logprobs_1, rtol=1e-5, atol=1e-6)
+    # Each rank holds the whole base and a replica of the run's slot; a step after every pass leaves the
+    # undo buffer empty, so the optimizer holds the slot's gradient rows and moments alone.
+    one_rank = {
+        "base": plan.base,
+        "adapter": plan.slot.weights,
+        "optimizer": plan.slot.gradients + plan.slot.moments,
+    }
+    assert held[0] == {(0, kind): v for kind, v in one_rank.items()}
+    assert held[1] == {(rank, kind): v for rank in (0, 1) for kind, v in one_rank.items()}
 
 
 def test_a_dead_rank_stops_the_server_with_a_clear_message_and_runs_resume_after_a_restart(tmp_path) -> None:

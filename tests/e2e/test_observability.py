@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
+from loraplex.model.config import DecoderConfig
+from loraplex.model.memory_plan import LoraSpec, RankPlan, plan_rank
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import LR, PHRASE, client, new_run, sft_datum
 
@@ -40,6 +42,31 @@ def value(samples: dict, name: str, **labels: str) -> float:
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"/metrics has no sample {name}{labels or ''}"
     return samples[key]
+
+
+def scrape_until(
+    server: Server, until: Callable[[dict], bool], timeout_s: float = 10.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Scrape again until `until` holds of the samples: gauges the engine loop refreshes about once a
+    second may lag what the client saw happen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(server)
+        if until(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def rank_bytes(samples: dict, rank: int, kind: str) -> float:
+    """One engine rank's loraplex_rank_parameter_bytes of one kind; it must be exported."""
+    return value(samples, "loraplex_rank_parameter_bytes", rank=str(rank), kind=kind)
+
+
+def tiny_plan(server: Server) -> RankPlan:
+    """The memory plan at T = 1 of the model the server built in its data dir (fp32 on CPUs), for one
+    rank-8 slot (what `new_run` creates)."""
+    hf = json.loads((server.data_dir / "models" / "tiny" / "config.json").read_text())
+    return plan_rank(DecoderConfig.from_hf(hf), 1, 4, LoraSpec(8), slots=1, kv_tokens=0)
 
 
 def log_lines(
@@ -144,3 +171,26 @@ def test_the_request_id_is_returned_and_logged(json_server: Server) -> None:
     }
     assert logged["probe-7f3a"]["route"] == "/api/v1/healthz"
     assert logged[fresh]["status"] == 200
+
+
+def test_rank_0_reports_its_base_and_the_bytes_a_new_run_adds(json_server: Server) -> None:
+    plan = tiny_plan(json_server)  # every run of this module is rank 8, as new_run makes them
+
+    def adapters(samples: dict) -> float:
+        return rank_bytes(samples, 0, "adapter")
+
+    # The gauge is refreshed about once a second: first let it catch up with the runs earlier tests made.
+    before = scrape_until(
+        json_server, lambda s: adapters(s) == value(s, "loraplex_slots_used") * plan.slot.weights
+    )
+    assert adapters(before) == value(before, "loraplex_slots_used") * plan.slot.weights
+    assert rank_bytes(before, 0, "base") == plan.base
+    new_run(client(json_server), json_server, seed=5)
+    after = scrape_until(json_server, lambda s: adapters(s) != adapters(before))
+    assert value(after, "loraplex_slots_used") == value(before, "loraplex_slots_used") + 1
+    assert adapters(after) - adapters(before) == plan.slot.weights
+    optimizer_added = rank_bytes(after, 0, "optimizer") - rank_bytes(before, 0, "optimizer")
+    assert optimizer_added == plan.slot.gradients + plan.slot.moments  # a creation copies no gradients
+    assert rank_bytes(after, 0, "base") == plan.base
+    gauge = [labels for name, labels in after if name == "loraplex_rank_parameter_bytes"]
+    assert {dict(labels)["rank"] for labels in gauge} == {"0"}  # one engine rank

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from loraplex.engine.interface import EngineUsage
+from loraplex.config import ServerConfig
+from loraplex.engine.interface import EngineUsage, ParameterBytes
 from loraplex.engine.types import AdamParams
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.core.commands import OptimStep
@@ -157,6 +158,42 @@ def test_device_memory_appears_once_reported_and_the_info_gauge_names_the_device
     assert value("loraplex_server_info", {"model": "loraplex/tiny", "device": "cuda:0 (NVIDIA H200)"}) == 1
     assert value("loraplex_server_info", {"model": "loraplex/tiny", "device": "cuda:0"}) is None
     assert telemetry.snapshot().memory.device_total_bytes == 140 << 30
+
+
+def test_every_ranks_parameter_bytes_are_a_gauge_by_rank_and_kind(clock: FakeClock) -> None:
+    telemetry = Telemetry(clock=clock)
+
+    def gauge() -> dict[tuple[str, str], float | None]:
+        read = telemetry.registry.get_sample_value
+        return {
+            (rank, kind): read("loraplex_rank_parameter_bytes", {"rank": rank, "kind": kind})
+            for rank in ("0", "1")
+            for kind in ("base", "adapter", "optimizer")
+        }
+
+    two_ranks = (ParameterBytes(1000, 20, 64), ParameterBytes(1000, 20, 48))
+    telemetry.record_usage(EngineUsage(parameter_bytes=two_ranks))
+    assert gauge() == {
+        ("0", "base"): 1000,
+        ("0", "adapter"): 20,
+        ("0", "optimizer"): 64,
+        ("1", "base"): 1000,
+        ("1", "adapter"): 20,
+        ("1", "optimizer"): 48,
+    }
+    telemetry.record_usage(EngineUsage(parameter_bytes=(ParameterBytes(1000, 0, 16), two_ranks[1])))
+    assert (gauge()[("0", "adapter")], gauge()[("0", "optimizer")], gauge()[("1", "adapter")]) == (0, 16, 20)
+
+
+def test_the_engines_bytes_are_exported_before_the_engine_loop_runs(tmp_path) -> None:
+    engine = FakeEngine()
+    runtime = Runtime.open(engine, ServerConfig(data_dir=tmp_path))  # no thread started
+    try:
+        read = runtime.telemetry.registry.get_sample_value
+        assert read("loraplex_rank_parameter_bytes", {"rank": "0", "kind": "base"}) == engine.base.nbytes
+        assert read("loraplex_rank_parameter_bytes", {"rank": "0", "kind": "adapter"}) == 0
+    finally:
+        runtime.store.close()
 
 
 def test_the_service_reports_passes_steps_queues_and_slots(

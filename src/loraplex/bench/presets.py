@@ -6,36 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-_QWEN3: dict[str, Any] = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "max_position_embeddings": 40960,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "use_sliding_window": False,
-    "use_cache": False,
-}
-
-_QWEN3_MOE: dict[str, Any] = {
-    **_QWEN3,
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "model_type": "qwen3_moe",
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "router_aux_loss_coef": 0.001,
-    "output_router_logits": False,
-}
+from loraplex.model.presets import PUBLISHED, QWEN3, QWEN3_MOE
 
 # Shapes of the built-in presets; any other --model value is read as an HF model directory.
 PRESETS: dict[str, dict[str, Any]] = {
     # docs/BENCHMARKS.md's workload. intermediate_size 1536 = 3 × hidden, the Qwen3-0.6B ratio; untied
     # lm_head so that PEFT and the engine train exactly the same LoRA targets without tying caveats.
     "tiny-qwen3-bench": {
-        **_QWEN3,
+        **QWEN3,
         "hidden_size": 512,
         "intermediate_size": 1536,
         "num_hidden_layers": 4,
@@ -47,7 +25,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Qwen3-4B's published shape (random weights): the GPU target workload.
     "qwen3-4b-shape": {
-        **_QWEN3,
+        **QWEN3,
         "hidden_size": 2560,
         "intermediate_size": 9728,
         "num_hidden_layers": 36,
@@ -60,7 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # tiny-qwen3-bench with its MLPs made sparse: 32 experts, top 4, each a quarter of the dense width, so
     # a token's active MLP weights (and 4N) equal the dense preset's while the experts hold 8x as many.
     "tiny-qwen3-moe-bench": {
-        **_QWEN3_MOE,
+        **QWEN3_MOE,
         "hidden_size": 512,
         "intermediate_size": 1536,
         "moe_intermediate_size": 384,
@@ -76,23 +54,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-30B-A3B's published layer shape (random weights), at 24 of its 48 layers: the full model's
     # 61 GB of bf16 weights plus ~90 GB of activations at 16k tokens exceed one H200 (141 GB), and its
     # weight file the 64 GB disk of the machine it runs on. Per-token cost and MFU are per layer alike.
-    "qwen3-30b-a3b-shape-24l": {
-        **_QWEN3_MOE,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "moe_intermediate_size": 768,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 4,
-        "head_dim": 128,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "vocab_size": 151936,
-        "tie_word_embeddings": False,
-    },
+    "qwen3-30b-a3b-shape-24l": {**PUBLISHED["Qwen3-30B-A3B"], "num_hidden_layers": 24},
     # Seconds-fast MoE shape (8 experts, top 2, layer 1 dense) for smoke tests and the CPU bench.
     "smoke-moe": {
-        **_QWEN3_MOE,
+        **QWEN3_MOE,
         "hidden_size": 64,
         "intermediate_size": 128,
         "moe_intermediate_size": 32,
@@ -108,7 +73,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # Seconds-fast shape for smoke tests and argument checks.
     "smoke": {
-        **_QWEN3,
+        **QWEN3,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,

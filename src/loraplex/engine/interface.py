@@ -37,6 +37,15 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class ParameterBytes:
+    """The bytes of tensors one engine rank holds, by what they are for (sizes, never a device sync)."""
+
+    base: int = 0  # the frozen model's parameters and buffers
+    adapter: int = 0  # the LoRA weights of every allocated slot
+    optimizer: int = 0  # those slots' gradient accumulators and AdamW moments, and the pass undo copy
+
+
+@dataclass(frozen=True)
 class EngineUsage:
     """What the engine reports for telemetry: cheap to read (no device sync), counters since start."""
 
@@ -49,6 +58,7 @@ class EngineUsage:
     device_allocated_bytes: int | None = None  # CUDA memory held by tensors; None off CUDA
     device_reserved_bytes: int | None = None  # CUDA memory the caching allocator holds
     device_total_bytes: int | None = None
+    parameter_bytes: tuple[ParameterBytes, ...] = ()  # by engine rank, rank 0 first; () if not measured
 
 
 class Engine(ABC):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
-from loraplex.engine.interface import Engine, EngineInfo, EngineUsage
+from loraplex.engine.interface import Engine, EngineInfo, EngineUsage, ParameterBytes
 from loraplex.engine.optimizer import StepPlan, apply_slots, prepare_slots
 from loraplex.engine.passes import run_pass
 from loraplex.engine.pending_step import PendingStep
@@ -279,8 +279,20 @@ class LocalEngine(Engine):
         """Whether a sampling request is waiting or generating."""
         return self.sampler.has_work()
 
+    def parameter_bytes(self) -> ParameterBytes:
+        """The bytes this engine's tensors hold by kind: the base model, the slots' weights, and their
+        optimizer state with the undo buffer's copy of gradients (sizes only: no sync, no copy)."""
+        adapter, optimizer = self.pool.held_bytes()
+        return ParameterBytes(self._base_bytes, adapter, optimizer + self._undo_buffer.nbytes)
+
+    @cached_property
+    def _base_bytes(self) -> int:
+        # Frozen: counted once. parameters() yields a tied lm_head once; the buffers are rope's frequencies.
+        return sum(t.nbytes for t in (*self.decoder.parameters(), *self.decoder.buffers()))
+
     def usage(self) -> EngineUsage:
-        """The sampler's token counters and KV cache, and on CUDA the allocator's counters (no sync)."""
+        """The sampler's token counters and KV cache, this engine's parameter bytes, and on CUDA the
+        allocator's counters (no sync)."""
         cache = self.sampler.cache
         device = self.decoder.lm_head.weight.device
         on_cuda = device.type == "cuda"
@@ -294,6 +306,7 @@ class LocalEngine(Engine):
             device_allocated_bytes=torch.cuda.memory_allocated(device) if on_cuda else None,
             device_reserved_bytes=torch.cuda.memory_reserved(device) if on_cuda else None,
             device_total_bytes=self._device_total_bytes,
+            parameter_bytes=(self.parameter_bytes(),),
         )
 
     @cached_property

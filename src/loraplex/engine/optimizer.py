@@ -77,6 +77,12 @@ class AdamSlot:
         )
 
     @property
+    def optimizer_bytes(self) -> int:
+        """Bytes of what the slot holds for the optimizer: gradient rows and both moments (its weights,
+        `weights_N`, are the adapter)."""
+        return self.grad_rows.nbytes + self.exp_avg_N.nbytes + self.exp_avg_sq_N.nbytes
+
+    @property
     def grads(self) -> list[Tensor]:
         """The gradient accumulators, one per param (views of `grads_N`)."""
         return [p.grad for p in self.params]

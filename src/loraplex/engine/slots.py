@@ -104,6 +104,7 @@ class SlotPool:
         self.device = next(iter(self.targets.values()))[0].weight.device
         self._slots: dict[int, Slot] = {}
         self._poisoned: set[int] = set()  # slots whose state an optimizer step left half-changed
+        self._held = (0, 0)  # (adapter, optimizer) bytes of every slot: see held_bytes
 
     def expected_shapes(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
         """PEFT name -> shape of every tensor a slot of `config` holds; UserError if it is not servable."""
@@ -145,6 +146,7 @@ class SlotPool:
             name_A, name_B = lora_names(path)
             self.targets[path][0].attach(slot, record.weights[name_A], record.weights[name_B], record.scale)
         self._slots[slot] = record
+        self._count_held()
         return slot
 
     def free(self, slot: int) -> None:
@@ -156,6 +158,16 @@ class SlotPool:
             layer.detach(slot)
         del self._slots[slot]
         self._poisoned.discard(slot)
+        self._count_held()
+
+    def held_bytes(self) -> tuple[int, int]:
+        """(adapter, optimizer) bytes of every slot allocated, poisoned ones included: the weights, and the
+        gradient rows and moments (AdamSlot.optimizer_bytes). Counted as slots come and go; free to read."""
+        return self._held
+
+    def _count_held(self) -> None:
+        adams = [record.adam for record in self._slots.values()]
+        self._held = (sum(a.weights_N.nbytes for a in adams), sum(a.optimizer_bytes for a in adams))
 
     def get(self, slot: int) -> Slot:
         """The live slot `slot`; NotFoundError if no slot of that id is in use, ServerError if poisoned."""

@@ -40,6 +40,11 @@ class UndoBuffer:
     def __init__(self) -> None:
         self._flat: Tensor | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds now."""
+        return 0 if self._flat is None else self._flat.nbytes
+
     def views(self, like: Sequence[Tensor]) -> list[Tensor]:
         """Flat tensors shaped like `like` (same dtype and device, all alike), carved from the buffer."""
         if not like:

@@ -50,6 +50,8 @@ class Runtime:
         self.engine, self.store, self.config = engine, store, config
         self.layout = DiskLayout(config.data_dir)
         self.telemetry = Telemetry(engine.info.device, model_name=engine.info.model_name)
+        # On /metrics from the start, not from the engine loop's first cycle (its threads are not running).
+        self.telemetry.record_usage(engine.usage())
         store.observe = self.telemetry.record_db_call
         self.state = SharedState(config.max_queued_samples)
         self.futures = FutureTable(

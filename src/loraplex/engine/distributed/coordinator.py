@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from loraplex.engine.distributed.group import RankEnv, RankGroup, RankTimeouts, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
@@ -32,6 +33,7 @@ from loraplex.engine.distributed.protocol import (
     PrepareStep,
     RankCommand,
     RankError,
+    RankReply,
     Rollback,
     RunPass,
     Shutdown,
@@ -40,8 +42,8 @@ from loraplex.engine.distributed.protocol import (
     scatter_commands,
     take_back,
 )
-from loraplex.engine.distributed.replica import answer
-from loraplex.engine.interface import Engine, EngineUsage
+from loraplex.engine.distributed.replica import reply
+from loraplex.engine.interface import Engine, EngineUsage, ParameterBytes
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_tokens
@@ -92,7 +94,11 @@ class DistributedEngine(Engine):
         self._failure_lock = threading.Lock()
         self._last_exchange = time.monotonic()
         self._step: PendingStep[tuple[int, ...]] = PendingStep()  # the prepared step's slots, if any
+        # Every rank's bytes as its last reply carried them (protocol.RankReply), first by the Ping below:
+        # usage() reads them, so /metrics sees every rank without a collective of its own.
+        self._held: tuple[ParameterBytes, ...] = ()
         self._closing = threading.Event()
+        self._exchange([Ping()] * group.world_size)
         self._watchdog = threading.Thread(target=self._watch, name="loraplex-rank-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -239,8 +245,10 @@ class DistributedEngine(Engine):
         return self.local.has_sampling_work()
 
     def usage(self) -> EngineUsage:
-        """Rank 0's: its sampler and its device's memory."""
-        return self.local.usage()
+        """Rank 0's sampler and device memory, and every rank's parameter bytes: rank 0's now, the others'
+        as of the last exchange (commands and heartbeats: at most a few seconds old when idle)."""
+        own = self.local.usage()
+        return dataclasses.replace(own, parameter_bytes=(*own.parameter_bytes, *self._held[1:]))
 
     # --- exchanges, failure and shutdown
     def _exchange(self, commands: list[RankCommand]) -> list[object]:
@@ -254,12 +262,15 @@ class DistributedEngine(Engine):
     def _exchange_locked(self, commands: list[RankCommand]) -> list[object]:
         try:
             own = scatter_commands(self._group, commands)
-            replies = gather_replies(self._group, answer(own, self.local, self._group))
+            gathered = gather_replies(self._group, reply(own, self.local, self._group))
         except Exception as error:  # a collective broke: a rank died, hung past the timeout or diverged
             raise self._fail(self._diagnose(error)) from error
         finally:
             self._last_exchange = time.monotonic()
-        errors = [reply for reply in replies if isinstance(reply, RankError)]
+        envelopes = cast(list[RankReply], gathered)  # what every rank sends (replica.reply)
+        self._held = tuple(envelope.held for envelope in envelopes)
+        replies = [envelope.value for envelope in envelopes]
+        errors = [value for value in replies if isinstance(value, RankError)]
         if errors:
             what = "pass" if isinstance(commands[0], RunPass) else "optimizer step"
             message = "; ".join(

@@ -2,8 +2,10 @@
 
 One exchange: rank 0 scatters one command per rank (the same one, or each rank's share of a pass)
 over the control group, every rank executes its own (replica.py), and rank 0 gathers the replies in
-rank order. Commands are plain picklable dataclasses; tensors they imply (gradients, slot state) move
-separately on the data group. An optimizer step takes two exchanges, PrepareStep and then ApplyStep (or
+rank order, each with the bytes its rank holds after the command (RankReply): so rank 0 knows every
+rank's memory as of the last exchange, heartbeats included, without a collective of its own.
+Commands are plain picklable dataclasses; tensors they imply (gradients, slot state) move separately on
+the data group. An optimizer step takes two exchanges, PrepareStep and then ApplyStep (or
 AbortStep), so that rank 0's caller can record its outcome in between. No HTTP, no SQL.
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from loraplex.engine.distributed.group import RankGroup
+from loraplex.engine.interface import ParameterBytes
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest
 
 
@@ -120,6 +123,15 @@ class RankError:
 
     rank: int
     message: str
+
+
+@dataclass(frozen=True)
+class RankReply:
+    """What a rank sends back for a command: the command's own reply, and the bytes its tensors hold
+    right after it (a few integers, so every exchange carries them)."""
+
+    value: object
+    held: ParameterBytes
 
 
 def scatter_commands(group: RankGroup, commands: list[RankCommand] | None) -> RankCommand:

@@ -11,7 +11,7 @@ import logging
 from loraplex.engine.distributed.group import RankEnv, RankGroup, RankTimeouts, leave_group
 from loraplex.engine.distributed.launch import EngineBuilder, start_rank
 from loraplex.engine.distributed.protocol import Shutdown, gather_replies, scatter_commands
-from loraplex.engine.distributed.replica import answer
+from loraplex.engine.distributed.replica import reply
 from loraplex.engine.local import LocalEngine
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ def serve_commands(engine: LocalEngine, group: RankGroup) -> None:
         command = scatter_commands(group, None)
         if isinstance(command, Shutdown):
             return
-        gather_replies(group, answer(command, engine, group))
+        gather_replies(group, reply(command, engine, group))
 
 
 def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts) -> int:

@@ -22,6 +22,7 @@ from loraplex.engine.distributed.protocol import (
     PrepareStep,
     RankCommand,
     RankError,
+    RankReply,
     Rollback,
     RunPass,
     SyncSlot,
@@ -33,6 +34,11 @@ from loraplex.engine.types import AdamParams
 from loraplex.errors import ServerError
 
 log = logging.getLogger(__name__)
+
+
+def reply(command: RankCommand, engine: LocalEngine, group: RankGroup) -> RankReply:
+    """`answer`, sent back with the bytes this rank holds after it (the reply every rank gathers)."""
+    return RankReply(answer(command, engine, group), engine.parameter_bytes())
 
 
 def answer(command: RankCommand, engine: LocalEngine, group: RankGroup) -> object:

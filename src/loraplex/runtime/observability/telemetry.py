@@ -68,6 +68,8 @@ _KIND_OF_REQUEST_TYPE = {
 ERROR_CATEGORIES = ("user", "capacity", "server")
 # The `state` label of loraplex_engine_thread_seconds_total (runtime/core/duty.py), in the order listed.
 ENGINE_THREAD_STATES = ("engine", "durable", "held", "idle", "other")
+# The `kind` label of loraplex_rank_parameter_bytes: the fields of engine.interface.ParameterBytes.
+PARAMETER_KINDS = ("base", "adapter", "optimizer")
 
 # Histogram bucket upper bounds (seconds), Prometheus `le` values; +Inf is implied.
 PASS_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -284,6 +286,13 @@ class Telemetry:
             "loraplex_kv_cache_tokens", "Tokens cached in the KV cache's rows in use."
         )
         self._sequences = gauge("loraplex_sampling_sequences", "Sequences decoding (KV cache rows in use).")
+        self._rank_bytes = Gauge(
+            "loraplex_rank_parameter_bytes",
+            "Bytes of tensors each engine rank holds, by kind: base (the frozen model), adapter (the LoRA "
+            "weights of its slots), optimizer (their gradients and AdamW moments, and the pass undo copy).",
+            ("rank", "kind"),
+            registry=r,
+        )
         # Not in the registry until the engine reports a value (off CUDA it never does).
         self._device_memory = tuple(
             Gauge(name, doc, registry=None)
@@ -368,6 +377,10 @@ class Telemetry:
         self._kv_cache_bytes.set(usage.kv_cache_bytes)
         self._kv_cache_tokens.set(usage.kv_cache_tokens)
         self._sequences.set(usage.sequences)
+        if usage.parameter_bytes != last.parameter_bytes:  # they change with slots, not every sampler step
+            for rank, held in enumerate(usage.parameter_bytes):
+                for kind in PARAMETER_KINDS:
+                    self._rank_bytes.labels(str(rank), kind).set(getattr(held, kind))
         memory = (usage.device_allocated_bytes, usage.device_reserved_bytes, usage.device_total_bytes)
         for gauge, value in zip(self._device_memory, memory, strict=True):
             if value is not None:
