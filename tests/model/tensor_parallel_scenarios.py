@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loraplex.engine.distributed.group import RankEnv, join_group, leave_group
+from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
 from loraplex.engine.logprobs import chunked_token_logprobs, chunked_token_logprobs_backward
 from loraplex.model import hf_checkpoint
 from loraplex.model.decoder import Decoder
@@ -305,9 +305,9 @@ def run_all(model_dirs: list[Path], tp: TensorParallel) -> dict[str, Any]:
 def main() -> None:
     """Rank 1 (or any rank but 0): join the group the test's rank 0 opened and run every scenario."""
     env = RankEnv.from_environ()
-    join_group(env, torch.device("cpu"), TIMEOUT_S)
+    group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
     try:
-        run_all([Path(arg) for arg in sys.argv[1:]], TensorParallel.over(dist.group.WORLD))
+        run_all([Path(arg) for arg in sys.argv[1:]], TensorParallel.over(group.data))
     finally:
         leave_group()
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from loraplex.engine.distributed.group import RankEnv, join_group, leave_group
+from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
 from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.decoder import Decoder
@@ -84,9 +84,9 @@ def two_ranks(model_dirs: dict[str, Path]) -> dict[str, Any]:
         local_ranks = LocalRanks.spawn(command, env)
 
     def rank_0() -> dict[str, Any]:
-        join_group(env, torch.device("cpu"), TIMEOUT_S)
+        group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
         try:
-            return run_all(dirs, TensorParallel.over(dist.group.WORLD))
+            return run_all(dirs, TensorParallel.over(group.data))
         finally:
             leave_group()
 
