@@ -136,12 +136,7 @@ def test_an_moe_rank_holds_a_share_of_the_experts_and_the_whole_router() -> None
         ("Qwen3-235B-A22B", {}, 8, "T = 8 does not divide the 4 KV heads"),
         ("Qwen3-8B", {}, 3, "T = 3 does not divide the 32 query heads"),
         ("smoke-moe", {"num_key_value_heads": 4, "num_experts": 6}, 4, "T = 4 does not divide the 6 experts"),
-        (
-            "smoke",
-            {"intermediate_size": 129},
-            2,
-            "T = 2 does not divide the 129 MLP columns (intermediate_size)",
-        ),
+        ("smoke", {"intermediate_size": 129}, 2, None),  # an uneven MLP split: 65 and 64 columns
         ("smoke-moe", {}, 2, None),  # 4 heads, 2 KV heads, 8 experts, its dense layer's 128 columns
     ],
 )

@@ -5,7 +5,8 @@ data-parallel groups of T tensor-parallel ranks. Arithmetic over a DecoderConfig
 Sharding rules (the tensor-parallel layout planned for the engine; today's engine runs T = 1):
 - attention by heads: q/k/v column-parallel (N/T query heads, K/T KV heads a rank), o_proj row-parallel.
   T must divide both head counts: KV heads are never replicated.
-- a dense MLP by its width: gate/up column-parallel, down row-parallel; T must divide intermediate_size.
+- a dense MLP by its width: gate/up column-parallel, down row-parallel; ceil(F/T) columns on the
+  largest rank (the split is uneven where T does not divide F, as model/tensor_parallel.py makes it).
 - embed_tokens and lm_head by vocabulary: ceil(V/T) rows a rank (one shard when tied).
 - replicated: RMSNorm weights, Qwen3's q/k norms, the rope frequencies, row-parallel biases, the router.
 - MoE experts whole, E/T of them a rank (expert parallelism inside the group); T must divide E.
@@ -181,7 +182,7 @@ def _linears(config: DecoderConfig, tp: int) -> list[_Linear]:
                 _Linear("mlp", F, D, copies=experts),
             ]
         else:
-            F = config.intermediate_size // tp
+            F = math.ceil(config.intermediate_size / tp)  # the largest rank's part of an uneven split
             bias = config.mlp_bias
             linears += [
                 _Linear("mlp", D, F, bias=F if bias else 0),
@@ -200,10 +201,7 @@ def check_sharding(config: DecoderConfig, tp: int) -> None:
         (config.num_attention_heads, "query heads"),
         (config.num_key_value_heads, "KV heads"),
     ]
-    layers = range(config.num_hidden_layers)
-    if any(not config.is_moe_layer(layer) for layer in layers):
-        counts.append((config.intermediate_size, "MLP columns (intermediate_size)"))
-    if any(config.is_moe_layer(layer) for layer in layers):
+    if any(config.is_moe_layer(layer) for layer in range(config.num_hidden_layers)):
         counts.append((config.num_experts, "experts"))
     for count, what in counts:
         if count % tp:
