@@ -28,6 +28,7 @@ import pydantic
 from loraplex import os_threads
 from loraplex.config import ServerConfig
 from loraplex.errors import ServerError, UserError
+from loraplex.heap import freeze_startup_heap
 from loraplex.log_format import configure_logging
 
 if TYPE_CHECKING:
@@ -224,6 +225,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     )
     log.info("listening on http://%s:%d (Tinker base_url)", config.host, config.port)
     app = create_app(runtime, run_service=False)
+    freeze_startup_heap()
     # The C parser and event loop (pinned dependencies): each request's Python time is time the engine's
     # thread may wait for the GIL, and the SDK makes two requests per forward_backward or optim_step.
     http_config = uvicorn.Config(

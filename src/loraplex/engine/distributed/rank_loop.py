@@ -13,6 +13,7 @@ from loraplex.engine.distributed.launch import EngineBuilder, start_rank
 from loraplex.engine.distributed.protocol import Shutdown, gather_replies, scatter_commands
 from loraplex.engine.distributed.replica import reply
 from loraplex.engine.local import LocalEngine
+from loraplex.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ def serve_commands(engine: LocalEngine, group: RankGroup) -> None:
 def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts) -> int:
     """A worker rank's whole life: start, serve commands, leave; the process exit code."""
     engine, group = start_rank(env, build, device, timeouts)
+    freeze_startup_heap()
     log.info("engine rank %d of %d ready on %s", env.rank, env.world_size, engine.info.device)
     try:
         serve_commands(engine, group)
