@@ -33,9 +33,10 @@ from loraplex.log_format import configure_logging
 
 if TYPE_CHECKING:
     from loraplex.engine.distributed.group import RankEnv, RankTimeouts
-    from loraplex.engine.distributed.launch import LocalRanks
+    from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks
     from loraplex.engine.local import LocalEngine
     from loraplex.engine.sampler.validation import SamplingLimits
+    from loraplex.model.tensor_parallel import TensorParallel
 
 log = logging.getLogger("loraplex")
 
@@ -88,6 +89,11 @@ def _serve(args: argparse.Namespace) -> int:
     os_threads.name_os_thread(os_threads.ENGINE)
     config = config_from_args(args)
     check_exposure(config)
+    if config.nproc % config.tp:
+        raise UserError(
+            f"--tp {config.tp} must divide --nproc {config.nproc}: the ranks form --nproc / --tp "
+            "data-parallel groups of --tp tensor-parallel ranks"
+        )
     if config.nproc > 1:
         from loraplex.engine.distributed.group import RankEnv, rank_device
         from loraplex.engine.distributed.launch import LocalRanks
@@ -97,7 +103,11 @@ def _serve(args: argparse.Namespace) -> int:
         options = config_to_args(config, _ENGINE_OPTIONS)
         worker = [sys.executable, "-m", "loraplex.cli", "engine-worker", *options]
         return _serve_ranks(config, env, LocalRanks.spawn(worker, env))
-    run_server(config, _engine_builder(config)(config.device))
+    from loraplex.model.tensor_parallel import SINGLE
+
+    if config.tp > 1:
+        raise UserError(f"--tp {config.tp} needs --nproc of at least {config.tp}: one engine rank per part")
+    run_server(config, _engine_builder(config)(config.device, SINGLE))
     return 0
 
 
@@ -137,11 +147,12 @@ def sampling_limits(config: ServerConfig) -> SamplingLimits:
     )
 
 
-def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
-    """Builds the configured model's LocalEngine on the device it is given (heavy imports: only here)."""
+def _engine_builder(config: ServerConfig) -> EngineBuilder:
+    """Builds the configured model's LocalEngine on the device it is given, holding the part of the model
+    its tensor-parallel group gives it (heavy imports: only here)."""
     from loraplex.engine.local import build_local_engine
 
-    def build(device: str) -> LocalEngine:
+    def build(device: str, tp: TensorParallel) -> LocalEngine:
         engine = build_local_engine(
             config.model,
             config.data_dir,
@@ -150,6 +161,7 @@ def _engine_builder(config: ServerConfig) -> Callable[[str], LocalEngine]:
             config.max_rank,
             config.model_name,
             config.pass_token_budget,
+            tp,
         )
         engine.sampler.limits = sampling_limits(config)
         return engine
@@ -171,6 +183,7 @@ def _serve_ranks(config: ServerConfig, env: RankEnv, local_ranks: LocalRanks | N
             _engine_builder(config),
             config.device,
             _rank_timeouts(config),
+            config.tp,
             on_failure=lambda _cause: os.kill(os.getpid(), signal.SIGTERM),
             local_ranks=local_ranks,
         )
@@ -275,6 +288,7 @@ _ENGINE_OPTIONS = (
     "rank_timeout_s",
     "rank_start_timeout_s",
     "pass_token_budget",
+    "tp",
 )
 
 
@@ -299,7 +313,7 @@ def _engine_worker(args: argparse.Namespace) -> int:
     if env.rank == 0:
         check_exposure(config)
         return _serve_ranks(config, env, local_ranks=None)
-    return run_rank(env, _engine_builder(config), config.device, _rank_timeouts(config))
+    return run_rank(env, _engine_builder(config), config.device, _rank_timeouts(config), config.tp)
 
 
 def _rank_timeouts(config: ServerConfig) -> RankTimeouts:

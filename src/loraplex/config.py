@@ -39,6 +39,14 @@ class ServerConfig(BaseModel):
         description="Engine ranks on this machine, data parallel (one GPU each on CUDA); 1 = one engine "
         "in the server process.",
     )
+    tp: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel ranks per group: each group of T engine ranks splits the base model "
+        "between them (by attention heads, MLP width and vocabulary), so a base T times larger fits; the "
+        "--nproc ranks form --nproc / T data-parallel groups. T divides --nproc (or torchrun's world size) "
+        "and the model's attention and KV heads; 1 = every rank holds the whole model.",
+    )
     rank_timeout_s: float = Field(
         300.0,
         gt=0,

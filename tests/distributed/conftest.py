@@ -26,6 +26,7 @@ from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassReques
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 from tests.model.float64 import float64_experts
 
 MAX_SLOTS, MAX_RANK = 4, 16
@@ -33,9 +34,12 @@ VOCAB = 512  # the tiny model's
 _START_TIMEOUT_S = 120.0  # a loaded host can take many seconds to start a rank's Python and torch
 
 
-def build_engine(data_dir: Path, device: str = "cpu", model: str = "tiny") -> LocalEngine:
-    """A single-rank engine on `model` (the tiny model by default), configured as the ranks are."""
-    return build_local_engine(model, data_dir, device, MAX_SLOTS, MAX_RANK, None)
+def build_engine(
+    data_dir: Path, device: str = "cpu", model: str = "tiny", tp: TensorParallel = SINGLE
+) -> LocalEngine:
+    """An engine on `model` (the tiny model by default), configured as the ranks are: a single-rank one,
+    or with `tp` one rank's part of a tensor-parallel group."""
+    return build_local_engine(model, data_dir, device, MAX_SLOTS, MAX_RANK, None, None, tp)
 
 
 @dataclass
@@ -127,11 +131,16 @@ class Ranks:
 
 @contextmanager
 def start_ranks(
-    data_dir: Path, timeout_s: float = 60.0, is_watched: bool = True, model: str = "tiny"
+    data_dir: Path,
+    timeout_s: float = 60.0,
+    is_watched: bool = True,
+    model: str = "tiny",
+    world_size: int = 2,
+    tp: int = 1,
 ) -> Iterator[Ranks]:
-    """Rank 0 here and rank 1 as a child; is_watched=False hides the child from rank 0, as a rank on
-    another machine would be, so only collectives can reveal its failure."""
-    env = RankEnv.on_this_machine(2)
+    """Rank 0 here and ranks 1.. as children, in tensor-parallel groups of `tp`; is_watched=False hides the
+    children from rank 0, as ranks on another machine would be, so only collectives can reveal a failure."""
+    env = RankEnv.on_this_machine(world_size)
     command = [
         sys.executable,
         "-m",
@@ -145,6 +154,7 @@ def start_ranks(
     command += ["--device", "cpu", "--max-slots", str(MAX_SLOTS), "--max-rank", str(MAX_RANK)]
     # Start-up has its own, long timeout: a loaded host may take seconds to start the child.
     command += ["--rank-timeout-s", str(timeout_s), "--rank-start-timeout-s", str(_START_TIMEOUT_S)]
+    command += ["--tp", str(tp)]
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OMP_NUM_THREADS", "1")
@@ -153,9 +163,10 @@ def start_ranks(
     try:
         engine = start_coordinator(
             env,
-            lambda device: build_engine(data_dir, device, model),
+            lambda device, tp_group: build_engine(data_dir, device, model, tp_group),
             "cpu",
             RankTimeouts(collective_s=timeout_s, start_s=_START_TIMEOUT_S),
+            tp,
             failures.append,
             local_ranks if is_watched else None,
         )

@@ -47,19 +47,24 @@ def save_state(
     """Write the slot's checkpoint to `directory` atomically (replacing any old one); return bytes written.
 
     with_gradients also writes the gradient accumulators (parking a run between forward_backward and
-    optim_step); `load_state` then restores them exactly.
+    optim_step); `load_state` then restores them exactly. Under tensor parallelism every rank of the group
+    calls it: they gather the whole tensors, rank 0 of the group writes them, the others return 0.
     """
     record = pool.get(slot)
+    weights, optimizer, gradients = pool.whole_state(slot, with_optimizer=True, with_gradients=with_gradients)
+    assert optimizer is not None  # asked for
+    if not pool.writes_files:
+        return 0
     files = {
-        WEIGHTS_FILE: {name: t.detach().cpu() for name, t in record.weights.items()},
+        WEIGHTS_FILE: {name: t.cpu() for name, t in weights.items()},
         OPTIMIZER_FILE: {
             f"{moment}.{name}": t.cpu()
             for moment in _MOMENTS
-            for name, t in getattr(record.optimizer_state(), moment).items()
+            for name, t in getattr(optimizer, moment).items()
         },
     }
-    if with_gradients:
-        files[GRADIENTS_FILE] = {name: t.grad.detach().cpu() for name, t in record.weights.items()}
+    if gradients is not None:
+        files[GRADIENTS_FILE] = {name: t.cpu() for name, t in gradients.items()}
 
     def write(tmp: Path) -> None:
         for filename, tensors in files.items():

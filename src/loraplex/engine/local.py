@@ -38,6 +38,7 @@ from loraplex.engine.validation import validate_pass_request
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 from loraplex.model.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
 # Tokens per lm_head chunk: bounds the loss path's extra memory at chunk × vocab fp32 values.
@@ -174,7 +175,7 @@ class LocalEngine(Engine):
         no slot, copies nothing. Valid until the next call that changes slots (Engine.prepare_step)."""
         self._begin_change()
         adams = [self.pool.get(slot).adam for slot in steps]  # NotFoundError, poisoned: before anything
-        plan = prepare_slots(list(zip(adams, steps.values(), strict=True)))
+        plan = prepare_slots(list(zip(adams, steps.values(), strict=True)), self.pool.tp)
         return self._step.hold(dict(zip(steps, plan.metrics, strict=True)), (list(steps), plan))
 
     def apply_step(self, prepared: PreparedStep) -> None:
@@ -337,9 +338,10 @@ def build_local_engine(
     max_rank: int,
     model_name: str | None,
     max_pass_tokens: int | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LocalEngine:
-    """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`; passes past
-    `max_pass_tokens` run in pieces."""
+    """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`, this rank's
+    part of it under tensor parallelism (`tp`); passes past `max_pass_tokens` run in pieces."""
     is_tiny = model == "tiny"
     # Absolute: get_info reports it as the tokenizer's location, which clients elsewhere must find.
     model_dir = (ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser()).resolve()
@@ -350,7 +352,7 @@ def build_local_engine(
         keep_freed_host_memory()
     # bf16 matmul on CPUs is ~100x slower than fp32; GPUs hold the frozen base in bf16.
     dtype = torch.float32 if torch_device.type == "cpu" else torch.bfloat16
-    decoder = load_decoder(model_dir, torch_device, dtype)
+    decoder = load_decoder(model_dir, torch_device, dtype, tp)
     config = decoder.config
     info = EngineInfo(
         model_name=model_name or (TINY_MODEL_NAME if is_tiny else model_dir.name),

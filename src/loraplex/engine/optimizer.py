@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from loraplex.engine.types import AdamParams
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 
 # clip_grad_norm_'s guard in coef = max_norm / (total_norm + eps); kept identical for parity.
 _CLIP_EPS = 1e-6
@@ -54,13 +56,19 @@ class AdamSlot:
     grad_rows: Tensor  # (ceil(N / W), W): grads_N with a zero tail to whole rows (no param covers it)
     exp_avg_N: Tensor  # first moments, laid out like weights_N
     exp_avg_sq_N: Tensor  # second moments, laid out like weights_N
+    # Leading elements of the buffers that every tensor-parallel rank holds whole (all of them with one
+    # rank); the rest are this rank's parts of split tensors (slots.py).
+    whole_numel: int
     step: int = 0  # AdamW steps taken; drives the bias corrections
     has_gradients: bool = False  # a pass added into grads_N since it was last zeroed (transactions.py)
 
     @classmethod
-    def fresh(cls, initial: Sequence[Tensor], device: torch.device | str | None = None) -> AdamSlot:
+    def fresh(
+        cls, initial: Sequence[Tensor], device: torch.device | str | None = None, whole: int | None = None
+    ) -> AdamSlot:
         """A slot whose params start as fp32 copies of `initial` (in that order, on `device`, default
-        where they are), with zero gradients and moments and no steps taken."""
+        where they are), with zero gradients and moments and no steps taken; the first `whole` of them
+        (default all) are held whole by every tensor-parallel rank."""
         weights_N = torch.cat([t.detach().reshape(-1) for t in initial]).to(device, torch.float32)
         numel = weights_N.numel()
         grad_rows = weights_N.new_zeros(-(-numel // _NORM_ROW), _NORM_ROW)
@@ -72,9 +80,9 @@ class AdamSlot:
             param = weight.view(t.shape).detach().requires_grad_()
             param.grad = grad.view(t.shape)
             params.append(param)
-        return cls(
-            params, weights_N, grads_N, grad_rows, torch.zeros_like(weights_N), torch.zeros_like(weights_N)
-        )
+        whole_numel = sum(sizes[: len(sizes) if whole is None else whole])
+        moments = torch.zeros_like(weights_N), torch.zeros_like(weights_N)
+        return cls(params, weights_N, grads_N, grad_rows, *moments, whole_numel)
 
     @property
     def optimizer_bytes(self) -> int:
@@ -132,19 +140,25 @@ def step_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> list[dict[str, f
 
 
 @torch.no_grad()
-def prepare_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> StepPlan:
+def prepare_slots(steps: Sequence[tuple[AdamSlot, AdamParams]], tp: TensorParallel = SINGLE) -> StepPlan:
     """The read-only phase of `step_slots`: every norm, clip factor, skip flag, step count and metric, and
     every tensor the kernels will read; changes no slot, so if it raises nothing has changed.
 
     Semantics: for slot, hp in steps: norm = total L2 norm of the slot's gradients; found_inf = norm is not
     finite; grad_scale = max(1, (norm + eps) / hp.grad_clip_norm) when clipping; step = slot.step + 1;
     metrics = grad_norm, learning_rate, skipped_nonfinite if the norm is not finite.
+    Under tensor parallelism (`tp`, every rank of it calling with the same slots) the norm is that of the
+    whole slot, every rank's parts together: each rank's whole-held gradients must then already be the
+    whole gradient (the engine sums them over the ranks first), so they count once.
     """
     slots = [slot for slot, _ in steps]
     params = [hp for _, hp in steps]
     if not slots:
         return StepPlan([], [], [], [], [], [])
-    norm_S = torch.stack([_grad_norm(slot) for slot in slots])
+    if tp.is_parallel:
+        norm_S = _sharded_grad_norms(slots, tp)
+    else:
+        norm_S = torch.stack([_grad_norm(slot) for slot in slots])
     found_inf_S = norm_S.isfinite().logical_not().float()
     # clip_grad_norm_'s coef = max_norm / (norm + eps), at most 1; the kernel divides by 1 / coef.
     clip_S = norm_S.new_tensor([hp.grad_clip_norm for hp in params])
@@ -164,6 +178,22 @@ def prepare_slots(steps: Sequence[tuple[AdamSlot, AdamParams]]) -> StepPlan:
 def _grad_norm(slot: AdamSlot) -> Tensor:
     """The total L2 norm of a slot's gradients (0-D), from its rows: see `_NORM_ROW`."""
     return torch.linalg.vector_norm(torch.linalg.vector_norm(slot.grad_rows, dim=1))
+
+
+def _sharded_grad_norms(slots: Sequence[AdamSlot], tp: TensorParallel) -> Tensor:
+    """(S,) each slot's total L2 norm over every rank's part: the whole-held gradients' squares once, the
+    split ones' summed over the ranks, in one all-reduce for all slots."""
+    whole_S = torch.stack([_sum_of_squares(slot.grads_N[: slot.whole_numel]) for slot in slots])
+    split_S = torch.stack([_sum_of_squares(slot.grads_N[slot.whole_numel :]) for slot in slots])
+    dist.all_reduce(split_S, group=tp.group)
+    return (whole_S + split_S).sqrt()
+
+
+def _sum_of_squares(flat: Tensor) -> Tensor:
+    """Σ x² of a 1-D buffer (0-D), by whole rows of `_NORM_ROW` and then the tail, as `_grad_norm` sums."""
+    rows = flat.numel() // _NORM_ROW
+    body = flat[: rows * _NORM_ROW].view(rows, _NORM_ROW)
+    return torch.linalg.vector_norm(body, dim=1).square().sum() + flat[rows * _NORM_ROW :].square().sum()
 
 
 @torch.no_grad()

@@ -108,7 +108,7 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
         # The lm_head's backward runs inside its chunked forward; the decoder's follows from its gradient.
         objective_fn = partial(_chunk_objective, placed, batches)
         lp_TK, grad_TD = chunked_token_logprobs_backward(
-            hidden_TD, head_fn, targets, chunk_size, objective_fn
+            hidden_TD, head_fn, targets, chunk_size, objective_fn, decoder.vocab_shard
         )
         if grad_TD is not None:  # None when only the lm_head's LoRA trains
             hidden_TD.backward(grad_TD)
@@ -118,7 +118,7 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
                 for p, batch in zip(placed, batches, strict=True)
             ]
 
-    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size)
+    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size, decoder.vocab_shard)
     objective: list[Tensor] = []
     per_request = []
     for p, batch in zip(placed, batches, strict=True):

@@ -7,6 +7,12 @@ reference to the decoder's `MultiLoRALinear` layers; on an MoE layer's expert pr
 path (`<layer>.mlp.experts.gate_proj`; snapshots map it to PEFT's layout). The named tensors are views
 into the slot's flat optimizer buffers (`AdamSlot`), so the fused step sees one buffer per kind per
 slot. Freeing a slot detaches and drops everything. No HTTP, no SQL; knows nothing of runs or tenants.
+
+Under tensor parallelism (the decoder's `tp`) a slot holds this rank's part of each tensor its layer
+splits (`LoRATarget.lora_sharding`) and the others whole. Checkpoints and snapshots know only whole
+tensors: `whole_state` gathers the parts from the ranks (a collective every rank of the group joins), and
+`Slot.assign` takes whole tensors and keeps its part. The tensors every rank holds whole come first in the
+slot's flat buffers (`AdamSlot.whole_numel`), so the engine reduces or norms each kind with one slice.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from loraplex.engine.types import AdamParams, LoraConfig
 from loraplex.errors import CapacityError, NotFoundError, ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.multi_lora import LoRATarget, init_slot_weights
+from loraplex.model.tensor_parallel import Split, TensorParallel, gather_split
 
 # LoraConfig flag -> the `Decoder.lora_targets()` group it switches on.
 TARGET_GROUPS = {"train_attn": "attn", "train_mlp": "mlp", "train_unembed": "unembed"}
@@ -52,6 +59,12 @@ class Slot:
     config: LoraConfig
     weights: dict[str, Tensor]  # "<path>.lora_A.weight" (R, in), "<path>.lora_B.weight" (out, R); fp32
     adam: AdamSlot
+    splits: dict[str, Split]  # the tensors this rank holds a part of -> which part (none with one rank)
+
+    def part(self, name: str, whole: Tensor) -> Tensor:
+        """This rank's part of the whole tensor `name` (the tensor itself where this rank holds it whole)."""
+        split = self.splits.get(name)
+        return whole if split is None else split.of(whole)
 
     @property
     def scale(self) -> float:
@@ -72,16 +85,23 @@ class Slot:
         weights: Mapping[str, Tensor],
         optimizer: OptimizerState | None,
         gradients: Mapping[str, Tensor] | None = None,
+        *,
+        are_parts: bool = False,
     ) -> None:
-        """Overwrite in place from checked tensors of the same names and shapes; optimizer None resets
+        """Overwrite in place from checked tensors of the same names: whole ones, of which this rank keeps
+        its part, or with `are_parts` this rank's parts already (a replica's copy); optimizer None resets
         AdamW (zero moments, step 0); gradients None zeroes the accumulators (a parked run brings its
         unstepped gradients back)."""
+
+        def own(name: str, tensor: Tensor) -> Tensor:
+            return tensor if are_parts else self.part(name, tensor)
+
         for name, param in self.weights.items():
-            param.copy_(weights[name])
+            param.copy_(own(name, weights[name]))
         self.adam.grads_N.zero_()
         if gradients is not None:
             for name, param in self.weights.items():
-                param.grad.copy_(gradients[name])
+                param.grad.copy_(own(name, gradients[name]))
         self.adam.has_gradients = gradients is not None
         if optimizer is None:
             torch._foreach_zero_([self.adam.exp_avg_N, self.adam.exp_avg_sq_N])
@@ -89,8 +109,8 @@ class Slot:
             return
         state = self.optimizer_state()
         for name in self.weights:
-            state.exp_avg[name].copy_(optimizer.exp_avg[name])
-            state.exp_avg_sq[name].copy_(optimizer.exp_avg_sq[name])
+            state.exp_avg[name].copy_(own(name, optimizer.exp_avg[name]))
+            state.exp_avg_sq[name].copy_(own(name, optimizer.exp_avg_sq[name]))
         self.adam.step = optimizer.step
 
 
@@ -99,6 +119,7 @@ class SlotPool:
 
     def __init__(self, decoder: Decoder, max_slots: int, max_rank: int) -> None:
         self.targets: dict[str, tuple[LoRATarget, str]] = decoder.lora_targets()
+        self.tp: TensorParallel = decoder.tp
         self.max_slots = max_slots
         self.max_rank = max_rank
         self.device = next(iter(self.targets.values()))[0].weight.device
@@ -107,7 +128,8 @@ class SlotPool:
         self._held = (0, 0)  # (adapter, optimizer) bytes of every slot: see held_bytes
 
     def expected_shapes(self, config: LoraConfig) -> dict[str, tuple[int, ...]]:
-        """PEFT name -> shape of every tensor a slot of `config` holds; UserError if it is not servable."""
+        """PEFT name -> whole shape (as checkpoints hold it) of every tensor a slot of `config` has;
+        UserError if it is not servable."""
         rank = config.rank
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.max_rank:
             raise UserError(
@@ -124,8 +146,9 @@ class SlotPool:
         shapes: dict[str, tuple[int, ...]] = {}
         for path, (layer, group) in self.targets.items():
             if group in groups:
-                name_A, name_B = lora_names(path)
-                shapes[name_A], shapes[name_B] = layer.lora_shapes(rank)
+                parts = layer.lora_shapes(rank)
+                for name, split, shape in zip(lora_names(path), layer.lora_sharding(), parts, strict=True):
+                    shapes[name] = shape if split is None else split.full_shape(shape)
         return shapes
 
     def create(self, config: LoraConfig) -> int:
@@ -139,9 +162,19 @@ class SlotPool:
             )
         slot = free_ids[0]
         initial = init_slot_weights(self.targets, config.rank, config.seed, self._groups(config))
-        adam = AdamSlot.fresh([t for pair in initial.values() for t in pair], self.device)
-        names = [name for path in initial for name in lora_names(path)]
-        record = Slot(config, dict(zip(names, adam.params, strict=True)), adam)
+        tensors = [
+            (name, tensor, split)
+            for path, pair in initial.items()
+            for name, tensor, split in zip(
+                lora_names(path), pair, self.targets[path][0].lora_sharding(), strict=True
+            )
+        ]
+        tensors.sort(key=lambda entry: entry[2] is not None)  # stable: whole ones first, else in order
+        whole = [tensor for _, tensor, split in tensors if split is None]
+        adam = AdamSlot.fresh([tensor for _, tensor, _ in tensors], self.device, len(whole))
+        weights = dict(zip((name for name, _, _ in tensors), adam.params, strict=True))
+        splits = {name: split for name, _, split in tensors if split is not None}
+        record = Slot(config, weights, adam, splits)
         for path in initial:
             name_A, name_B = lora_names(path)
             self.targets[path][0].attach(slot, record.weights[name_A], record.weights[name_B], record.scale)
@@ -159,6 +192,32 @@ class SlotPool:
         del self._slots[slot]
         self._poisoned.discard(slot)
         self._count_held()
+
+    @torch.no_grad()
+    def whole_state(
+        self, slot: int, with_optimizer: bool = True, with_gradients: bool = False
+    ) -> tuple[dict[str, Tensor], OptimizerState | None, dict[str, Tensor] | None]:
+        """The slot's weights, and if asked its AdamW state and gradient accumulators, as whole tensors by
+        name: under tensor parallelism gathered from every rank's part (a collective: every rank of the
+        group calls it, in the same order); with one rank, views of the live buffers (no copy)."""
+        record = self.get(slot)
+        state = record.optimizer_state()
+        kinds = [record.weights]
+        if with_optimizer:
+            kinds += [state.exp_avg, state.exp_avg_sq]
+        if with_gradients:
+            kinds.append({name: param.grad for name, param in record.weights.items()})
+        whole = [
+            {name: gather_split(t.detach(), record.splits.get(name), self.tp) for name, t in kind.items()}
+            for kind in kinds
+        ]
+        optimizer = OptimizerState(whole[1], whole[2], state.step) if with_optimizer else None
+        return whole[0], optimizer, whole[-1] if with_gradients else None
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this rank writes what its tensor-parallel group saves (rank 0 of it; the only rank)."""
+        return self.tp.rank == 0
 
     def held_bytes(self) -> tuple[int, int]:
         """(adapter, optimizer) bytes of every slot allocated, poisoned ones included: the weights, and the

@@ -49,9 +49,13 @@ class Snapshot:
 
 
 def save_snapshot(pool: SlotPool, slot: int, directory: Path, base_model_name: str) -> int:
-    """Write a PEFT-format copy of the slot's weights to `directory` atomically; return bytes written."""
-    record = pool.get(slot)
-    return write_snapshot(record.weights, record.config, directory, base_model_name)
+    """Write a PEFT-format copy of the slot's weights to `directory` atomically; return bytes written.
+    Under tensor parallelism every rank of the group calls it (SlotPool.whole_state); rank 0 of it writes,
+    the others return 0."""
+    weights, _, _ = pool.whole_state(slot, with_optimizer=False)
+    if not pool.writes_files:
+        return 0
+    return write_snapshot(weights, pool.get(slot).config, directory, base_model_name)
 
 
 def write_snapshot(

@@ -1,10 +1,13 @@
 """Rank 0's engine: the Engine the runtime calls, spreading passes over the ranks and keeping replicas equal.
 
-Every adapter is replicated on every rank. Rank 0 validates each call before anything is sent, makes a
-change to a slot first (create, load) and then has the other ranks copy it, splits each pass's datums
-across the ranks by tokens, and steps with one flat gradient all-reduce (prepared on every rank, then
-applied or aborted on every rank). Saves, snapshots and sampling use rank 0's replica alone, so
-checkpoints are those of a single-rank engine.
+The ranks form N / T data-parallel groups of T tensor-parallel ranks (group.py); every group holds every
+adapter, each of its ranks its own part. Rank 0 validates each call before anything is sent, makes a
+change to a slot first (create, load) and then has the other ranks follow it, splits each pass's datums
+across the data-parallel groups by tokens (each group's ranks run the same share together), and steps
+with flat gradient all-reduces (prepared on every rank, then applied or aborted on every rank). Saves
+and snapshots gather the first group's parts and rank 0 writes them, so checkpoints are those of a
+single-rank engine whatever N and T are. Sampling runs on the first group: on rank 0 alone with T = 1,
+else on its T ranks in lockstep.
 
 A watchdog thread pings idle ranks and watches local rank processes. When a rank dies, hangs past the
 timeout or diverges, the engine fails for good: the call in flight and every later one raise a
@@ -26,9 +29,11 @@ from loraplex.engine.distributed.group import RankEnv, RankGroup, RankTimeouts, 
 from loraplex.engine.distributed.launch import EngineBuilder, LocalRanks, describe_exits, start_rank
 from loraplex.engine.distributed.protocol import (
     AbortStep,
+    AddSample,
     ApplyStep,
+    CancelSample,
+    Checkpoint,
     FreeSlot,
-    GatherGradients,
     Ping,
     PrepareStep,
     RankCommand,
@@ -36,13 +41,17 @@ from loraplex.engine.distributed.protocol import (
     RankReply,
     Rollback,
     RunPass,
+    SamplerCommand,
+    SaveSnapshot,
+    SaveState,
     Shutdown,
+    StepSampler,
     SyncSlot,
     gather_replies,
     scatter_commands,
     take_back,
 )
-from loraplex.engine.distributed.replica import reply
+from loraplex.engine.distributed.replica import execute, reply
 from loraplex.engine.interface import Engine, EngineUsage, ParameterBytes
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.pending_step import PendingStep
@@ -70,7 +79,7 @@ _SHUTDOWN_GRACE_S = 10.0
 
 
 class DistributedEngine(Engine):
-    """Rank 0 of N data-parallel engine ranks, over its own LocalEngine."""
+    """Rank 0 of N engine ranks (data-parallel groups of tensor-parallel ranks), over its own LocalEngine."""
 
     def __init__(
         self,
@@ -82,9 +91,7 @@ class DistributedEngine(Engine):
     ) -> None:
         self.local = local
         self.max_slots = local.max_slots
-        self.info = dataclasses.replace(
-            local.info, device=f"{local.info.device} (data parallel over {group.world_size} ranks)"
-        )
+        self.info = dataclasses.replace(local.info, device=f"{local.info.device} ({_describe_mesh(group)})")
         self._group = group
         self._on_failure = on_failure
         self._local_ranks = local_ranks
@@ -116,7 +123,8 @@ class DistributedEngine(Engine):
         """All requests in one pass spread over the ranks: each runs a contiguous share of the datums.
 
         Semantics: equal to `LocalEngine.run_pass(requests)` on one rank. Rejected requests are answered
-        by rank 0 and never sent; per-datum outputs come back in order; metrics are recomputed from them
+        by rank 0 and never sent; per-datum outputs come back in order (each data-parallel group's from its
+        first rank: its tensor-parallel ranks compute the same); metrics are recomputed from them
         (sharding.py); each rank's training datums add into its own accumulators, which `optim_step` sums.
         Every rank keeps its undo copies whatever keep_undo says: a failed share is rolled back on all.
         """
@@ -133,10 +141,13 @@ class DistributedEngine(Engine):
                 results[index] = error
         if accepted:
             chosen = [requests[i] for i in accepted]
-            shares = split_by_tokens(chosen, self._group.world_size)
-            replies = self._exchange([RunPass(piece_requests(chosen, pieces)) for pieces in shares])
+            group = self._group
+            shares = split_by_tokens(chosen, group.dp_size)
+            commands = [RunPass(piece_requests(chosen, shares[group.rank_dp(rank)])) for rank in self._ranks]
+            replies = self._exchange(commands)
+            first_ranks = [group.ranks_of(dp_rank)[0] for dp_rank in range(group.dp_size)]
             merged = merge_results(
-                chosen, shares, [self._pass_results(r, rank) for rank, r in enumerate(replies)]
+                chosen, shares, [self._pass_results(replies[rank], rank) for rank in first_ranks]
             )
             for index, result in zip(accepted, merged, strict=True):
                 results[index] = result
@@ -192,57 +203,75 @@ class DistributedEngine(Engine):
     def load_state(
         self, directory: Path, owner_digest: str, with_optimizer: bool, slot: int | None = None
     ) -> tuple[int, LoraConfig]:
-        """Rank 0 verifies and loads the checkpoint, then every rank copies the slot from rank 0."""
+        """Rank 0 verifies and loads the checkpoint; its tensor-parallel peers load their parts of it, and
+        every other rank copies the slot from its peer in the first data-parallel group."""
         self._raise_if_failed()
         self._step.invalidate()
         slot, config = self.local.load_state(directory, owner_digest, with_optimizer, slot)
-        self._sync(slot)
+        self._sync(slot, Checkpoint(Path(directory), owner_digest, with_optimizer))
         return slot, config
 
-    def _sync(self, slot: int) -> None:
+    def _sync(self, slot: int, source: Checkpoint | None = None) -> None:
         record = self.local.pool.get(slot)
-        command = SyncSlot(slot, record.config, record.optimizer_state().step)
+        command = SyncSlot(slot, record.config, record.optimizer_state().step, source)
         self._exchange([command] * self._group.world_size)
 
-    # --- rank 0's replica alone
+    # --- files, written by rank 0 from the first data-parallel group's parts
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
         """Rank 0 writes the checkpoint, in the single-rank format; with gradients, every rank's share of
-        them is first summed onto rank 0."""
+        them is first summed (replica.save_state)."""
+        self._raise_if_failed()
         if with_gradients:
             self._step.invalidate()
-            self.local.pool.get(slot)  # NotFoundError before anything is sent
-            self._exchange([GatherGradients(slot)] * self._group.world_size)
-        return self.local.save_state(slot, directory, owner_digest, with_gradients)
+        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        command = SaveState(slot, Path(directory), owner_digest, with_gradients)
+        return self._exchange([command] * self._group.world_size)[0]  # type: ignore[return-value]
 
     def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
         """Rank 0 converts the checkpoint's files; no slot, no other rank."""
         return self.local.export_snapshot(checkpoint_dir, snapshot_dir, owner_digest)
 
     def save_snapshot(self, slot: int, directory: Path) -> int:
-        """Rank 0 writes the PEFT snapshot."""
-        return self.local.save_snapshot(slot, directory)
+        """Rank 0 writes the PEFT snapshot, of the first data-parallel group's parts."""
+        self._raise_if_failed()
+        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        return self._exchange([SaveSnapshot(slot, Path(directory))] * self._group.world_size)[0]  # type: ignore[return-value]
 
+    # --- sampling, on the first data-parallel group
     def validate_sample_request(self, request: SampleRequest) -> None:
-        """Sampling runs on rank 0 (snapshots are files; see LocalEngine)."""
+        """Rank 0 checks the request (snapshots are files; see LocalEngine)."""
         self.local.validate_sample_request(request)
 
     def add_sample(self, key: str, request: SampleRequest) -> None:
-        """Queue a sampling request on rank 0's sampler."""
-        self.local.add_sample(key, request)
+        """Queue a sampling request on the sampling group."""
+        self._on_sampling_group(AddSample(key, request))
 
     def step_sampler(
         self, max_prefill_tokens: int | None = None
     ) -> list[tuple[str, SampleResult | UserError]]:
-        """One admission + decode step of rank 0's sampler."""
-        return self.local.step_sampler(max_prefill_tokens)
+        """One admission + decode step of the sampling group, in lockstep."""
+        return self._on_sampling_group(StepSampler(max_prefill_tokens))  # type: ignore[return-value]
 
     def cancel_sample(self, key: str) -> bool:
-        """Drop a request from rank 0's sampler."""
-        return self.local.cancel_sample(key)
+        """Drop a request from the sampling group."""
+        return self._on_sampling_group(CancelSample(key))  # type: ignore[return-value]
 
     def has_sampling_work(self) -> bool:
-        """Whether rank 0's sampler has work."""
+        """Whether the sampling group has work (its ranks' samplers hold the same requests)."""
         return self.local.has_sampling_work()
+
+    def _on_sampling_group(self, command: SamplerCommand) -> object:
+        """Rank 0's reply to a sampler command its tensor-parallel group runs together: with one
+        tensor-parallel rank, rank 0's sampler alone (no exchange); else an exchange in which the other
+        data-parallel groups only answer."""
+        if not self._group.tp.is_parallel:
+            return execute(command, self.local, self._group)
+        sampling = self._group.ranks_of(0)
+        return self._exchange([command if rank in sampling else Ping() for rank in self._ranks])[0]
+
+    @property
+    def _ranks(self) -> range:
+        return range(self._group.world_size)
 
     def usage(self) -> EngineUsage:
         """Rank 0's sampler and device memory, and every rank's parameter bytes: rank 0's now, the others'
@@ -272,16 +301,19 @@ class DistributedEngine(Engine):
         replies = [envelope.value for envelope in envelopes]
         errors = [value for value in replies if isinstance(value, RankError)]
         if errors:
-            what = "pass" if isinstance(commands[0], RunPass) else "optimizer step"
+            command = commands[0]
+            what = _WHAT.get(type(command), type(command).__name__)
             message = "; ".join(
                 f"engine rank {e.rank} failed its share of the {what}: {e.message}" for e in errors
             )
-            undo = take_back(commands[0])
-            if undo is None:  # a failed apply: that rank's replica may differ from the others for good
+            if isinstance(command, ApplyStep):  # that rank's replica may differ from the others for good
                 raise self._fail(message)
             # The failed ranks undid their share; the others take theirs back, so no rank keeps any of it.
-            self._exchange_locked([undo] * self._group.world_size)
-            raise ServerError(message)
+            undo = take_back(command)
+            if undo is not None:
+                self._exchange_locked([undo] * self._group.world_size)
+            user_errors = [e.user_error for e in errors if e.user_error is not None]
+            raise user_errors[0] if len(user_errors) == len(errors) else ServerError(message)
         return replies
 
     def _pass_results(self, reply: object, rank: int) -> list[PassResult]:
@@ -357,23 +389,45 @@ class DistributedEngine(Engine):
             leave_group()
 
 
+# What a command's failure message calls it.
+_WHAT = {
+    RunPass: "pass",
+    PrepareStep: "optimizer step",
+    ApplyStep: "optimizer step",
+    SaveState: "checkpoint save",
+    SaveSnapshot: "snapshot save",
+}
+
+
+def _describe_mesh(group: RankGroup) -> str:
+    """How the ranks split the work, for EngineInfo.device."""
+    if not group.tp.is_parallel:
+        return f"data parallel over {group.world_size} ranks"
+    return (
+        f"{group.world_size} ranks: {group.dp_size} data-parallel group(s) of {group.tp.size} "
+        "tensor-parallel ranks"
+    )
+
+
 def start_coordinator(
     env: RankEnv,
     build: EngineBuilder,
     device: str,
     timeouts: RankTimeouts,
+    tp_size: int,
     on_failure: Callable[[str], None],
     local_ranks: LocalRanks | None = None,
 ) -> DistributedEngine:
-    """Rank 0's start-up: meet the other ranks, build the local engine, and wrap it.
+    """Rank 0's start-up: meet the other ranks (tensor-parallel groups of `tp_size`), build the local
+    engine, and wrap it.
 
     `local_ranks` (ranks this process spawned) are watched during start-up and stopped if it fails.
     """
     try:
         if local_ranks is None:
-            local, group = start_rank(env, build, device, timeouts)
+            local, group = start_rank(env, build, device, timeouts, tp_size)
         else:
-            local, group = local_ranks.run_watched(lambda: start_rank(env, build, device, timeouts))
+            local, group = local_ranks.run_watched(lambda: start_rank(env, build, device, timeouts, tp_size))
     except BaseException:
         if local_ranks is not None:
             local_ranks.stop(0.0)

@@ -1,9 +1,15 @@
 """The engine ranks' process group: who this rank is, how ranks meet, and the flat tensor collectives.
 
 Ranks find each other as torchrun tells them: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
-Two groups: `data` moves tensors (nccl on CUDA, gloo on CPU); `control` moves pickled commands and is
-always gloo, so control traffic never touches a GPU. Every collective has the group's timeout, so no
-rank waits forever on a dead one. No HTTP, no SQL.
+Two groups span all ranks: `data` moves tensors (nccl on CUDA, gloo on CPU); `control` moves pickled
+commands and is always gloo, so control traffic never touches a GPU. Every collective has the group's
+timeout, so no rank waits forever on a dead one.
+
+The ranks form a mesh of N / T data-parallel groups of T tensor-parallel ranks (`--tp T`): ranks
+d·T .. d·T + T - 1 split the base model between them (`tp`, consecutive ranks, so a group sits on one
+machine's GPUs where it can), and the ranks that hold the same part, one per data-parallel group
+(t, t + T, ...), are `replicas` of each other. With T = 1 every rank holds everything and `replicas` is
+`data`. No HTTP, no SQL.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loraplex.engine.local import resolve_device
 from loraplex.errors import UserError
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -88,13 +95,33 @@ class RankEnv:
 
 @dataclass(frozen=True)
 class RankGroup:
-    """This process's membership: its rank, the world size and the two process groups."""
+    """This process's membership: its rank, the world size, the process groups and its place in the mesh."""
 
     rank: int
     world_size: int
     data: dist.ProcessGroup
     control: dist.ProcessGroup
     start_group: dist.ProcessGroup  # gloo, with the start-up timeout: used before the engine is ready
+    replicas: dist.ProcessGroup  # the ranks holding this rank's part of the model, one per data group
+    tp: TensorParallel = SINGLE  # this rank's tensor-parallel group
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel groups there are (N / T)."""
+        return self.world_size // self.tp.size
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel group this rank is in (its index among `replicas`)."""
+        return self.rank_dp(self.rank)
+
+    def rank_dp(self, rank: int) -> int:
+        """Which data-parallel group `rank` is in."""
+        return rank // self.tp.size
+
+    def ranks_of(self, dp_rank: int) -> range:
+        """The ranks of one data-parallel group (a tensor-parallel group)."""
+        return range(dp_rank * self.tp.size, (dp_rank + 1) * self.tp.size)
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -111,12 +138,15 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def join_group(env: RankEnv, device: torch.device, timeouts: RankTimeouts) -> RankGroup:
-    """Meet the other ranks (blocks until all have joined, at most timeouts.start_s) and open both groups.
+def join_group(env: RankEnv, device: torch.device, timeouts: RankTimeouts, tp_size: int = 1) -> RankGroup:
+    """Meet the other ranks (blocks until all have joined, at most timeouts.start_s) and open the groups of
+    a mesh of tensor-parallel groups of `tp_size` ranks (which must divide the world size).
 
     The default group (gloo) keeps the start-up timeout and serves start-up alone (`start_group`); the
-    data and control groups, used from then on, have the collective timeout.
+    others, used from then on, have the collective timeout.
     """
+    if tp_size < 1 or env.world_size % tp_size:
+        raise UserError(f"--tp {tp_size} must divide the number of engine ranks ({env.world_size})")
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6 literal
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -128,9 +158,24 @@ def join_group(env: RankEnv, device: torch.device, timeouts: RankTimeouts) -> Ra
         timeout=timedelta(seconds=timeouts.start_s),
     )
     collective = timedelta(seconds=timeouts.collective_s)
-    data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=collective)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    data = dist.new_group(backend=backend, timeout=collective)
     control = dist.new_group(backend="gloo", timeout=collective)
-    return RankGroup(env.rank, env.world_size, data, control, start_group=dist.group.WORLD)
+    if tp_size == 1:
+        return RankGroup(env.rank, env.world_size, data, control, dist.group.WORLD, replicas=data)
+    # Every rank creates every group, in the same order (new_group is collective), and keeps its own.
+    dp_size = env.world_size // tp_size
+    tp_groups = [
+        dist.new_group(list(range(d * tp_size, (d + 1) * tp_size)), timeout=collective, backend=backend)
+        for d in range(dp_size)
+    ]
+    replica_groups = [
+        dist.new_group(list(range(t, env.world_size, tp_size)), timeout=collective, backend=backend)
+        for t in range(tp_size)
+    ]
+    tp = TensorParallel.over(tp_groups[env.rank // tp_size])
+    replicas = replica_groups[env.rank % tp_size]
+    return RankGroup(env.rank, env.world_size, data, control, dist.group.WORLD, replicas, tp)
 
 
 def leave_group() -> None:
@@ -152,12 +197,12 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None
 
 @torch.no_grad()
 def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
-    """Overwrite each tensor with rank 0's, in place, with one collective.
+    """Overwrite each tensor with the group's first rank's, in place, with one collective.
 
-    Semantics: `for t in tensors: dist.broadcast(t, src=0)`, as one broadcast of their concatenation.
+    Semantics: `for t in tensors: dist.broadcast(t, group_src=0)`, as one broadcast of their concatenation.
     """
     flat = _flatten_dense_tensors(list(tensors))
-    dist.broadcast(flat, src=0, group=group)
+    dist.broadcast(flat, group=group, group_src=0)
     if dist.get_rank(group) != 0:
         _copy_back(tensors, flat)
 

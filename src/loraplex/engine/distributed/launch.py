@@ -28,21 +28,23 @@ from loraplex.engine.distributed.group import (
 )
 from loraplex.engine.local import LocalEngine
 from loraplex.errors import ServerError, UserError
+from loraplex.model.tensor_parallel import TensorParallel
 
 T = TypeVar("T")
-# Builds this rank's engine on the device it is given ("cpu", "cuda:1").
-EngineBuilder = Callable[[str], LocalEngine]
+# Builds this rank's engine on the device it is given ("cpu", "cuda:1"), holding its tensor-parallel part.
+EngineBuilder = Callable[[str, TensorParallel], LocalEngine]
 _POLL_S = 0.05
 
 
 def start_rank(
-    env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts
+    env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts, tp_size: int = 1
 ) -> tuple[LocalEngine, RankGroup]:
-    """Join the group, build this rank's engine, and check that every rank serves the same base model."""
+    """Join the mesh of tensor-parallel groups of `tp_size` ranks, build this rank's engine (its part of
+    the model), and check that every rank serves the same base model."""
     device_name = rank_device(device, env.local_rank)
-    group = join_group(env, torch.device(device_name), timeouts)
+    group = join_group(env, torch.device(device_name), timeouts, tp_size)
     try:
-        engine = build(device_name)
+        engine = build(device_name, group.tp)
         digests: list[str | None] = [None] * env.world_size
         dist.all_gather_object(digests, engine.info.base_model_digest, group=group.start_group)
         if len(set(digests)) > 1:

@@ -12,12 +12,14 @@ AbortStep), so that rank 0's caller can record its outcome in between. No HTTP, 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
 from loraplex.engine.distributed.group import RankGroup
 from loraplex.engine.interface import ParameterBytes
-from loraplex.engine.types import AdamParams, LoraConfig, PassRequest
+from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, SampleRequest
+from loraplex.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,25 @@ class AbortStep:
 
 
 @dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint rank 0 loaded a slot from (LocalEngine.load_state's arguments), for the ranks of its
+    tensor-parallel group to load their own parts from."""
+
+    directory: Path
+    owner_digest: str
+    with_optimizer: bool
+
+
+@dataclass(frozen=True)
 class SyncSlot:
-    """Make `slot` (created if absent) a copy of rank 0's: its weights, and its AdamW state if step > 0."""
+    """Make `slot` the one rank 0 just created or loaded on every rank: rank 0's tensor-parallel peers
+    create it from `config` or load it from `source` themselves (each its own part), then every other rank
+    copies its peer's in the first data-parallel group: the weights, and the AdamW state if step > 0."""
 
     slot: int
     config: LoraConfig
     step: int  # AdamW steps taken; 0 means the moments are zero, so they are not sent
+    source: Checkpoint | None = None  # None: created fresh from config
 
 
 @dataclass(frozen=True)
@@ -71,11 +86,46 @@ class Rollback:
 
 
 @dataclass(frozen=True)
-class GatherGradients:
-    """Sum `slot`'s gradient accumulators onto rank 0 (the others zero theirs), so rank 0's copy is the
-    whole of them: a run parked between forward_backward and optim_step keeps every rank's share."""
+class SaveState:
+    """Write `slot`'s checkpoint (LocalEngine.save_state): with gradients, every rank's share of them is
+    first summed onto the first data-parallel group (the others zero theirs), so a run parked between
+    forward_backward and optim_step keeps all of them; that group's ranks gather the whole tensors, and
+    rank 0 writes them."""
 
     slot: int
+    directory: Path
+    owner_digest: str
+    with_gradients: bool
+
+
+@dataclass(frozen=True)
+class SaveSnapshot:
+    """Write `slot`'s PEFT snapshot: the first data-parallel group gathers its weights, rank 0 writes."""
+
+    slot: int
+    directory: Path
+
+
+@dataclass(frozen=True)
+class AddSample:
+    """Queue a sampling request on the sampling group's samplers (LocalEngine.add_sample)."""
+
+    key: str
+    request: SampleRequest
+
+
+@dataclass(frozen=True)
+class StepSampler:
+    """One admission + decode step of the sampling group's samplers in lockstep (LocalEngine.step_sampler)."""
+
+    max_prefill_tokens: int | None
+
+
+@dataclass(frozen=True)
+class CancelSample:
+    """Drop a request from the sampling group's samplers (LocalEngine.cancel_sample)."""
+
+    key: str
 
 
 @dataclass(frozen=True)
@@ -88,26 +138,30 @@ class Shutdown:
     """Leave the command loop and the group; not answered."""
 
 
+SamplerCommand = AddSample | StepSampler | CancelSample
 RankCommand = (
     RunPass
     | PrepareStep
     | ApplyStep
     | AbortStep
     | Rollback
-    | GatherGradients
+    | SaveState
+    | SaveSnapshot
     | SyncSlot
     | FreeSlot
+    | SamplerCommand
     | Ping
     | Shutdown
 )
 # Commands a rank answers with a RankError when its share raises, staying in the group: rank 0 then takes
-# the whole back on every rank (take_back), or, where that cannot be done (ApplyStep), fails the engine.
-REPORTED = (RunPass, PrepareStep, ApplyStep)
+# the whole back on every rank (take_back) and raises the error, or, where that cannot be done
+# (ApplyStep), fails the engine. A failed save changed no slot: there is nothing to take back.
+REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot)
 
 
 def take_back(command: RankCommand) -> RankCommand | None:
-    """What every rank runs after a share of `command` failed, so that no rank keeps any of it; None where
-    nothing can (a failed ApplyStep: replicas may now differ)."""
+    """What every rank runs after a share of `command` (one of REPORTED but ApplyStep) failed, so that no
+    rank keeps any of it; None where nothing changed."""
     if isinstance(command, PrepareStep):
         return AbortStep(tuple(command.steps))
     if isinstance(command, RunPass):
@@ -119,10 +173,11 @@ def take_back(command: RankCommand) -> RankCommand | None:
 class RankError:
     """A rank's answer when its share of a command in REPORTED raised (and was undone on that rank): the
     whole pass or step is taken back on every rank, and the group stays usable (a failed apply: see
-    take_back)."""
+    take_back). A UserError travels as itself, so the caller gets its type and message."""
 
     rank: int
     message: str
+    user_error: UserError | None = None
 
 
 @dataclass(frozen=True)

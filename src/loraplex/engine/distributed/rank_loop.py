@@ -27,9 +27,12 @@ def serve_commands(engine: LocalEngine, group: RankGroup) -> None:
         gather_replies(group, reply(command, engine, group))
 
 
-def run_rank(env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts) -> int:
-    """A worker rank's whole life: start, serve commands, leave; the process exit code."""
-    engine, group = start_rank(env, build, device, timeouts)
+def run_rank(
+    env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts, tp_size: int = 1
+) -> int:
+    """A worker rank's whole life: start (in tensor-parallel groups of `tp_size`), serve commands, leave;
+    the process exit code."""
+    engine, group = start_rank(env, build, device, timeouts, tp_size)
     freeze_startup_heap()
     log.info("engine rank %d of %d ready on %s", env.rank, env.world_size, engine.info.device)
     try:

@@ -104,8 +104,10 @@ class SnapshotCache:
                     f"model's layer needs (r, {layer.in_features}) and ({layer.out_features}, r)"
                 )
         for path, (A_RI, B_OR) in snapshot.pairs.items():
-            A_RI, B_OR = (t.to(self._device, torch.float32) for t in (A_RI, B_OR))
-            self._targets[path][0].attach(snapshot_id, A_RI, B_OR, snapshot.scale)
+            layer = self._targets[path][0]
+            # Under tensor parallelism, this rank's parts of the whole tensors the snapshot holds.
+            A_RI, B_OR = (t.to(self._device, torch.float32) for t in layer.lora_sharding().of(A_RI, B_OR))
+            layer.attach(snapshot_id, A_RI, B_OR, snapshot.scale)
 
     def _detach(self, snapshot_id: int) -> None:
         for layer, _ in self._targets.values():
