@@ -38,6 +38,7 @@ from loraplex.model.tensor_parallel import (
     all_reduce_whole_grads,
     copy_to_tp,
     gather_split,
+    gather_vocab,
 )
 
 TIMEOUT_S = 60.0  # each collective's; the test fails sooner when rank 1 exits (LocalRanks.run_watched)
@@ -229,9 +230,7 @@ def _decode(decoder: Decoder, tokens_T: Tensor, dtype: torch.dtype, vocab: Vocab
         new_B = tokens_T[sum(lengths) + step * len(rows) :][: len(rows)]
         routing = LoRARouting.from_sequences([1] * len(rows), slots)
         logits.append(decoder.lm_head(decoder.forward_cached(new_B, cache.decode(rows), routing), routing))
-    if vocab is None:
-        return logits
-    return [gather_split(x, vocab.split._replace(dim=1), vocab.tp) for x in logits]
+    return [gather_vocab(x, vocab) for x in logits]
 
 
 @dataclass

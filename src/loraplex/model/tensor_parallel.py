@@ -239,7 +239,7 @@ def all_reduce_whole_grads(layers: Iterable[tuple[LoRASharding, Tensor, Tensor]]
 @torch.no_grad()
 def gather_split(part: Tensor, split: Split | None, tp: TensorParallel) -> Tensor:
     """The full tensor whose `split` part this rank holds, from every rank's part (for checkpoints and
-    snapshots of split slot tensors); `part` itself when nothing is split."""
+    snapshots of split slot tensors, and logits: `gather_vocab`); `part` itself when nothing is split."""
     if split is None:
         return part
     # all_gather takes equal sizes: every part is padded to the largest (rank 0's), then trimmed.
@@ -251,3 +251,15 @@ def gather_split(part: Tensor, split: Split | None, tp: TensorParallel) -> Tenso
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=tp.group)
     return torch.cat([p.narrow(split.dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=split.dim)
+
+
+def gather_vocab(logits_TV: Tensor, vocab: VocabShard | None) -> Tensor:
+    """The full-vocabulary (T, V) logits, the same on every rank, from each rank's vocabulary rows of them
+    (what `lm_head` gives under `vocab`): one all_gather; `logits_TV` itself when `vocab` is None.
+
+    For whatever needs the whole distribution at once (drawing a token, top-k): each part is computed by
+    its owner alone, so every rank gets the same bits and draws the same tokens.
+    """
+    if vocab is None:
+        return logits_TV
+    return gather_split(logits_TV, vocab.split._replace(dim=1), vocab.tp)

@@ -9,6 +9,10 @@ feeds every active sequence's last token at once, the batch ordered by snapshot 
 snapshot's rows form one LoRA routing segment, and draws the next tokens (and, for the rows that ask,
 the top-k of the distribution each was drawn from). A sequence leaves the batch
 (and frees its row) when it stops; a request finishes when all its samples have.
+Under tensor parallelism every rank of the decoder's group makes the same calls in the same order: each
+caches its own kv heads and computes its vocabulary rows of the logits, which one all_gather per forward
+joins (`gather_vocab`), so every rank draws the same tokens with the same generators and returns the same
+results. With one rank nothing is gathered.
 Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures (keys are the caller's).
 
 Shapes: Q prompts in a prefill, T their packed tokens, B sequences of a step, D hidden, V vocab.
@@ -42,6 +46,7 @@ from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.kv_cache import KVCache
 from loraplex.model.multi_lora import LoRARouting
+from loraplex.model.tensor_parallel import gather_vocab
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -187,7 +192,12 @@ class Sampler:
 
     def _new_cache(self) -> KVCache:
         weight = self.decoder.lm_head.weight
-        return KVCache(self.decoder.config, weight.device, weight.dtype)
+        return KVCache(self.decoder.config, weight.device, weight.dtype, self.decoder.tp)
+
+    def _logits(self, hidden_TD: Tensor, routing: LoRARouting) -> Tensor:
+        """(T, V) logits over the whole vocabulary (gathered from every rank's rows under tensor
+        parallelism), with each token's adapter."""
+        return gather_vocab(self.decoder.lm_head(hidden_TD, routing), self.decoder.vocab_shard)
 
     @torch.no_grad()
     def _step(self, max_prefill_tokens: int | None) -> list[tuple[str, SampleResult | UserError]]:
@@ -295,7 +305,7 @@ class Sampler:
             job.scores = self._score(job, prompt_P.to(device), hidden_PD)
         last_hidden_QD = torch.stack([hidden_PD[-1] for hidden_PD in hidden_per_prompt])
         last_routing = LoRARouting.from_sequences([1] * len(jobs), snapshot_ids)
-        logits_QV = self.decoder.lm_head(last_hidden_QD, last_routing)
+        logits_QV = self._logits(last_hidden_QD, last_routing)
         prompt_of_sample = [q for q, job in enumerate(jobs) for _ in job.sequences]
         logits_BV = logits_QV.index_select(0, torch.tensor(prompt_of_sample, device=device))
         self._draw(logits_BV, [sequence for job in jobs for sequence in job.sequences])
@@ -317,7 +327,7 @@ class Sampler:
 
         def head_fn(hidden_CD: Tensor) -> Tensor:
             routing = LoRARouting.from_sequences([len(hidden_CD)], [job.snapshot_id])
-            return self.decoder.lm_head(hidden_CD, routing)
+            return self._logits(hidden_CD, routing)
 
         return score_prompt(hidden_PD, prompt_P, head_fn, asks, self.chunk_size)
 
@@ -330,7 +340,7 @@ class Sampler:
         routing = LoRARouting.from_sequences([1] * len(active), [job.snapshot_id for job, _ in active])
         tokens_B = torch.tensor([sequence.tokens[-1] for sequence in sequences], device=device)
         hidden_BD = self.decoder.forward_cached(tokens_B, step, routing)
-        self._draw(self.decoder.lm_head(hidden_BD, routing), sequences)
+        self._draw(self._logits(hidden_BD, routing), sequences)
 
     def _draw(self, logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
         """Draw one token per sequence, append it, and retire the sequences that stop."""

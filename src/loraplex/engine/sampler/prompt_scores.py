@@ -22,7 +22,7 @@ from torch import Tensor
 
 from loraplex.engine.sampler.sampling import draw_alternatives
 
-# head_fn(hidden_CD) -> logits_CV, the output head with the request's adapter.
+# head_fn(hidden_CD) -> logits_CV, the output head with the request's adapter, over the whole vocabulary.
 HeadFn = Callable[[Tensor], Tensor]
 
 

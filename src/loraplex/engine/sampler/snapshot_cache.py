@@ -2,7 +2,8 @@
 
 A resident snapshot is attached to the decoder's `MultiLoRALinear` layers like a training slot, under
 an id of its own range (SNAPSHOT_ID_BASE + i), so sampling routes tokens to snapshots with the same
-`LoRARouting` as training. A snapshot in use by an unfinished request is never evicted; an evicted one
+`LoRARouting` as training; under tensor parallelism each rank attaches its parts of the snapshot's
+tensors, as it does a slot's. A snapshot in use by an unfinished request is never evicted; an evicted one
 is read again from its directory when next asked for. Snapshots are immutable, so a resident copy is
 reused as long as the directory's weights file is unchanged. Engine code: no HTTP, no SQL; knows
 nothing of runs, tenants or requests.
@@ -105,8 +106,8 @@ class SnapshotCache:
                 )
         for path, (A_RI, B_OR) in snapshot.pairs.items():
             layer = self._targets[path][0]
-            # Under tensor parallelism, this rank's parts of the whole tensors the snapshot holds.
-            A_RI, B_OR = (t.to(self._device, torch.float32) for t in layer.lora_sharding().of(A_RI, B_OR))
+            parts = layer.lora_sharding().of(A_RI, B_OR)  # the tensors themselves with one rank
+            A_RI, B_OR = (t.to(self._device, torch.float32) for t in parts)
             layer.attach(snapshot_id, A_RI, B_OR, snapshot.scale)
 
     def _detach(self, snapshot_id: int) -> None:
