@@ -8,6 +8,7 @@ its float64 twin measures the reference's rounding error (`ReferenceEngine`).
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
+from loraplex.engine.checkpoints import OPTIMIZER_FILE, WEIGHTS_FILE
 from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
 from loraplex.engine.distributed.group import RankEnv, RankTimeouts
 from loraplex.engine.distributed.launch import LocalRanks
-from loraplex.engine.interface import EngineInfo
+from loraplex.engine.interface import Engine, EngineInfo
 from loraplex.engine.local import LocalEngine, build_local_engine
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest, PassResult, PreparedStep
 from loraplex.errors import UserError
@@ -238,8 +241,17 @@ def rl_request(
     return PassRequest(slot, loss_fn, config or {}, datums, forward_only)
 
 
-def adapter_state(engine: LocalEngine, slot: int) -> dict[str, np.ndarray]:
-    """A slot's weights and AdamW moments as numpy copies, keyed by name."""
+def adapter_state(engine: Engine, slot: int) -> dict[str, np.ndarray]:
+    """A slot's weights and AdamW moments, whole, as numpy copies keyed by name ("exp_avg.<name>" for a
+    moment): a LocalEngine's read from its slot pool, another engine's from a checkpoint it writes (a
+    DistributedEngine's ranks gather their parts of the slot for it)."""
+    if not isinstance(engine, LocalEngine):
+        with tempfile.TemporaryDirectory() as tmp:
+            engine.save_state(slot, Path(tmp) / "state", owner_digest="test")
+            files = [Path(tmp) / "state" / name for name in (WEIGHTS_FILE, OPTIMIZER_FILE)]
+            return {
+                name: t.numpy() for file in files for name, t in safetensors.torch.load_file(file).items()
+            }
     record = engine.pool.get(slot)
     state = record.optimizer_state()
     tensors = {**record.weights, **{f"exp_avg.{k}": v for k, v in state.exp_avg.items()}}
