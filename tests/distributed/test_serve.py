@@ -166,3 +166,53 @@ def test_a_dead_rank_stops_the_server_with_a_clear_message_and_runs_resume_after
         assert _is_gone(worker)
     finally:
         restarted.stop()
+
+
+def _greedy(run: tinker.TrainingClient) -> list[int]:
+    """Six greedy tokens of the run's current weights (through a sampler snapshot)."""
+    sampler = run.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=0.0)
+    prompt = types.ModelInput.from_ints([5, 9, 2, 44, 17])
+    return list(sampler.sample(prompt, 1, params).result().sequences[0].tokens)
+
+
+def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_sdk(tmp_path) -> None:
+    """`serve --nproc 2 --tp 2` trains, samples and reports its split as one rank does; killed, it stops with
+    the rank named; its checkpoint then resumes on one rank of the same data dir."""
+    server = _server(tmp_path, "data", "--nproc", "2", "--tp", "2")
+    try:
+        server.start()
+        service = client(server)
+        run = service.create_lora_training_client(base_model=base_model(server), rank=8, seed=1).result()
+        losses = _train(run, 3)
+        checkpoint = run.save_state("tp").result().path
+        expected, tokens = _logprobs(run), _greedy(run)
+        # Both ranks hold what the memory plan states for one rank of two (the tiny model splits evenly).
+        plan = tiny_plan(server, tp=2)
+        one_rank = {
+            "base": plan.base,
+            "adapter": plan.slot.weights,
+            "optimizer": plan.slot.gradients + plan.slot.moments,
+        }
+        held = _rank_bytes(server, 2, plan.slot.weights)
+        assert held == {(rank, kind): v for rank in (0, 1) for kind, v in one_rank.items()}
+        assert plan.base <= 0.55 * tiny_plan(server).base
+        (worker,) = _children(server)
+        os.kill(worker, signal.SIGKILL)
+        assert server.proc is not None and server.proc.wait(timeout=30) == 1
+    finally:
+        server.stop()
+    log = (tmp_path / f"server-{server.port}.log").read_text()
+    assert "engine rank 1 exited with code -9" in log and "restart" in log
+
+    one = Server(server.data_dir, ["--nproc", "1"], server.port, clients=server.clients)
+    try:
+        one.start()
+        service = client(one)
+        resumed = service.create_training_client_from_state_with_optimizer(checkpoint).result()
+        np.testing.assert_allclose(_logprobs(resumed), expected, rtol=1e-5, atol=1e-6)
+        assert _greedy(resumed) == tokens
+        fresh = service.create_lora_training_client(base_model=base_model(one), rank=8, seed=1).result()
+        np.testing.assert_allclose(_train(fresh, 3), losses, rtol=1e-5)
+    finally:
+        one.stop()

@@ -62,11 +62,11 @@ def rank_bytes(samples: dict, rank: int, kind: str) -> float:
     return value(samples, "loraplex_rank_parameter_bytes", rank=str(rank), kind=kind)
 
 
-def tiny_plan(server: Server) -> RankPlan:
-    """The memory plan at T = 1 of the model the server built in its data dir (fp32 on CPUs), for one
-    rank-8 slot (what `new_run` creates)."""
+def tiny_plan(server: Server, tp: int = 1) -> RankPlan:
+    """The memory plan of one rank of `tp` of the model the server built in its data dir (fp32 on CPUs),
+    for one rank-8 slot (what `new_run` creates)."""
     hf = json.loads((server.data_dir / "models" / "tiny" / "config.json").read_text())
-    return plan_rank(DecoderConfig.from_hf(hf), 1, 4, LoraSpec(8), slots=1, kv_tokens=0)
+    return plan_rank(DecoderConfig.from_hf(hf), tp, 4, LoraSpec(8), slots=1, kv_tokens=0)
 
 
 def log_lines(
