@@ -80,6 +80,13 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--peak-tflops", type=float, default=None, help="device's nominal dense peak, to report MFU at 4N"
     )
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="engine ranks, as `serve --nproc` runs them (one GPU each); MFU and roofline per device",
+    )
+    train.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group, as `serve --tp`")
     train.set_defaults(handler=_handler("train"))
     optim = subcommands.add_parser("optim", help="Fused multi-slot AdamW step vs a per-slot AdamW loop.")
     _common(optim, slots=64)

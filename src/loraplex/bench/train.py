@@ -8,6 +8,7 @@ over the same tokens; `build_configuration` builds any one of them alone (the me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ import torch
 from loraplex.bench import report
 from loraplex.bench.baselines import NaivePeftLoop
 from loraplex.bench.memory import own_peak_rss_mb, peak_gpu_mb, peak_rss_mb
+from loraplex.bench.ranks import BenchEngine, build_bench_engine, engine_ranks, local_part
 from loraplex.bench.roofline import (
     DenseMatmul,
     attention_train_flops_per_token,
@@ -28,7 +30,7 @@ from loraplex.bench.roofline import (
 )
 from loraplex.bench.timing import Stat, ratios, time_interleaved
 from loraplex.bench.workloads import TrainShape, make_slot_datums, prepare_model_dir, to_requests
-from loraplex.engine.local import LocalEngine, build_local_engine, resolve_device
+from loraplex.engine.local import LocalEngine, resolve_device
 from loraplex.engine.types import LoraConfig, PassRequest
 from loraplex.errors import UserError
 from loraplex.model.config import DecoderConfig
@@ -49,13 +51,17 @@ def run_dtype(device: torch.device) -> torch.dtype:
 
 def build_engine(model_dir: Path, device: torch.device, max_slots: int, max_rank: int) -> LocalEngine:
     """The engine `loraplex serve` would build over `model_dir` (build_local_engine), for benchmarks."""
-    engine = build_local_engine(str(model_dir), model_dir.parent, str(device), max_slots, max_rank, "bench")
-    if engine.decoder.lm_head.weight.dtype != run_dtype(device):
-        raise RuntimeError("the engine's dtype differs from the one the baselines are built in")
+    engine = build_bench_engine(model_dir, str(device), max_slots, max_rank)
+    _check_dtype(engine, device)
     return engine
 
 
-def _pass_run(engine: LocalEngine, requests: list[PassRequest]) -> Run:
+def _check_dtype(engine: LocalEngine, device: torch.device) -> None:
+    if engine.decoder.lm_head.weight.dtype != run_dtype(device):
+        raise RuntimeError("the engine's dtype differs from the one the baselines are built in")
+
+
+def _pass_run(engine: BenchEngine, requests: list[PassRequest]) -> Run:
     def run() -> None:
         for result in engine.run_pass(requests):
             if isinstance(result, UserError):
@@ -68,13 +74,13 @@ def _pass_run(engine: LocalEngine, requests: list[PassRequest]) -> Run:
 class EngineCase:
     """The fused K-slot pass and the one-slot pass over the same tokens, on fresh slots of one engine."""
 
-    engine: LocalEngine
+    engine: BenchEngine
     slot_ids: list[int]
     fused: Run
     one_slot: Run
 
     @classmethod
-    def open(cls, engine: LocalEngine, shape: TrainShape, vocab_size: int) -> EngineCase:
+    def open(cls, engine: BenchEngine, shape: TrainShape, vocab_size: int) -> EngineCase:
         """Create shape.slots + 1 fresh slots: K for the fused pass, one for the one-slot pass."""
         slot_datums = make_slot_datums(shape, vocab_size)
         slot_ids = [engine.create_slot(LoraConfig(rank=shape.rank, seed=k)) for k in range(shape.slots + 1)]
@@ -116,7 +122,7 @@ def build_configuration(kind: str, spec: dict[str, Any]) -> Run:
 
 
 def _measure_point(
-    engine: LocalEngine,
+    engine: BenchEngine,
     model_dir: Path,
     config: DecoderConfig,
     shape: TrainShape,
@@ -125,7 +131,8 @@ def _measure_point(
     has_memory: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Time one workload point interleaved; (per-round rows, point summary)."""
-    device = engine.decoder.lm_head.weight.device
+    local = local_part(engine)
+    device = local.decoder.lm_head.weight.device
     case = EngineCase.open(engine, shape, config.vocab_size)
     runs: dict[str, Run] = {"fused": case.fused, "one_slot": case.one_slot}
     if not args.skip_naive:
@@ -134,11 +141,13 @@ def _measure_point(
     runs["matmul"] = matmul = DenseMatmul(device, run_dtype(device))
     try:
         timings = time_interleaved(runs, rounds, _WARMUP, device)
-        memory = _memory(runs, engine, model_dir, shape) if has_memory else {}
+        memory = _memory(runs, local, model_dir, shape) if has_memory else {}
     finally:
         case.close()
     rows = report.round_rows(timings)
-    summary = _summarize(config, shape, timings.seconds, matmul.flops, args.peak_tflops, engine.logprob_chunk)
+    summary = _summarize(
+        config, shape, timings.seconds, matmul.flops, args.peak_tflops, local.logprob_chunk, args.nproc
+    )
     summary.update(report.stall_summary(timings))
     return rows, {**summary, **memory}
 
@@ -164,19 +173,22 @@ def _summarize(
     matmul_flops: float,
     peak_tflops: float | None,
     logprob_chunk: int,
+    devices: int = 1,
 ) -> dict[str, Any]:
-    """Medians and bests; every ratio taken round by round, then summarised."""
+    """Medians and bests; every ratio taken round by round, then summarised. With several devices (engine
+    ranks) the roofline and MFU are per device: the useful rate over all of them, each at the dense matmul
+    rate measured on rank 0's."""
     tokens = shape.num_tokens
     fused_s = seconds["fused"]
     per_token = train_flops_per_token(config)
     attention = attention_train_flops_per_token(config, shape.seq_len)
-    matmul_rate = [matmul_flops / s for s in seconds["matmul"]]
+    matmul_rate = [devices * matmul_flops / s for s in seconds["matmul"]]
     useful_rate = [tokens * per_token / s for s in fused_s]
     figures: dict[str, Stat] = {
         "tokens_per_s": Stat.of_rates([tokens / s for s in fused_s]),
         "one_slot_tokens_per_s": Stat.of_rates([tokens / s for s in seconds["one_slot"]]),
         "fusion_efficiency": Stat.of_rates(ratios(seconds["one_slot"], fused_s)),
-        "dense_matmul_gflops": Stat.of_rates([r / 1e9 for r in matmul_rate]),
+        "dense_matmul_gflops": Stat.of_rates([r / devices / 1e9 for r in matmul_rate]),
         "useful_gflops": Stat.of_rates([r / 1e9 for r in useful_rate]),
         "roofline_fraction": Stat.of_rates(ratios(useful_rate, matmul_rate)),
         "roofline_fraction_with_attention": Stat.of_rates(
@@ -188,13 +200,14 @@ def _summarize(
         figures["naive_peft_tokens_per_s"] = Stat.of_rates([tokens / s for s in seconds["naive_peft"]])
         figures["speedup_vs_naive_peft"] = Stat.of_rates(ratios(seconds["naive_peft"], fused_s))
     if peak_tflops:
-        figures["mfu"] = Stat.of_rates([r / (peak_tflops * 1e12) for r in useful_rate])
+        figures["mfu"] = Stat.of_rates([r / (devices * peak_tflops * 1e12) for r in useful_rate])
     summary: dict[str, Any] = {
         **shape.summary_fields(),
         "matmul_params": matmul_params(config),
         "flops_per_token": per_token,
         "attention_flops_per_token": attention,
         "rounds": len(fused_s),
+        "devices": devices,
         "peak_tflops": peak_tflops,
         "logprob_chunk": logprob_chunk,
     }
@@ -209,13 +222,25 @@ def bench_train(args: argparse.Namespace) -> int:
     points = _points(args)
     rounds = args.rounds or (2 if args.sweep else 5)
     has_memory = (not args.sweep) if args.memory is None else args.memory
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch:
+    if args.nproc > 1 and not args.skip_naive:
+        raise UserError(
+            "--nproc > 1 measures the engine ranks alone: add --skip-naive (the PEFT loop is one device's)"
+        )
+    if args.nproc > 1 and has_memory and device.type != "cuda":
+        raise UserError(
+            "--nproc > 1 on a CPU measures no memory (the probe rebuilds one rank): add --no-memory"
+        )
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch, contextlib.ExitStack() as ranks:
         model_dir = prepare_model_dir(args.model, Path(scratch), run_dtype(device), device)
         config = DecoderConfig.from_hf(report.read_json(model_dir / "config.json"))
         max_slots = max(p.slots for p in points) + 1
-        engine = build_engine(model_dir, device, max_slots, max(p.rank for p in points))
-        engine.logprob_chunk = args.logprob_chunk or engine.logprob_chunk
-        context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
+        engine = ranks.enter_context(
+            engine_ranks(model_dir, str(device), max_slots, max(p.rank for p in points), args.nproc, args.tp)
+        )
+        local = local_part(engine)
+        _check_dtype(local, device)
+        local.logprob_chunk = args.logprob_chunk or local.logprob_chunk
+        context = {**report.context(args, device, run_dtype(device), rounds, _WARMUP), "tp": args.tp}
         summaries = []
         for shape in points:
             rows, summary = _measure_point(engine, model_dir, config, shape, args, rounds, has_memory)

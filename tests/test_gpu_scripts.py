@@ -1,0 +1,46 @@
+"""bench/gpu.sh and bench/gpu_moe.sh run end to end on the CPU (their documented dry run), with several
+engine ranks: the plumbing a GPU run goes through (environment, flags, the ranks, the summary) works
+before a GPU is lent. Timings are not checked; the summary's figures are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(
+    ("script", "model", "tp"), [("gpu.sh", "smoke", "2"), ("gpu_moe.sh", "smoke-moe", "1")]
+)
+def test_the_gpu_scripts_dry_run_on_the_cpu_with_two_engine_ranks(
+    script: str, model: str, tp: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.jsonl"
+    env = {
+        **os.environ,
+        "MODEL": model,
+        "DEVICE": "cpu",
+        "SLOTS": "2",
+        "TOKENS_PER_SLOT": "8",
+        "ROUNDS": "1",
+        "NPROC": "2",
+        "TP": tp,
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+        "OMP_NUM_THREADS": "1",
+    }
+    done = subprocess.run(
+        [str(ROOT / "bench" / script), "--no-memory"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text().splitlines()[-1])
+    assert summary["kind"] == "summary" and summary["devices"] == 2 and summary["tp"] == int(tp)
+    assert summary["tokens_per_step"] == 16 and summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    assert "tokens/step on 2 device(s)" in done.stdout and "MFU at 4N per device" in done.stdout
