@@ -266,19 +266,40 @@ def test_each_optim_step_does_exactly_one_gradient_all_reduce(ranks, monkeypatch
         assert calls == [("all_reduce", sum(sizes)), ("all_reduce", sizes[1])]
 
 
-def test_sampling_runs_on_rank_0_as_on_a_single_rank(ranks, reference, tmp_path) -> None:
-    requests = [
-        SampleRequest(np.array([5, 9, 2, 44], np.int64), SamplingParams(max_tokens=6, temperature=0.0)),
-        SampleRequest(np.array([7, 1], np.int64), SamplingParams(max_tokens=4, seed=3), num_samples=2),
-    ]
+def test_sampling_spreads_over_the_ranks_and_each_answer_is_the_single_ranks(ranks, reference) -> None:
     outcomes = []
     for engine in (ranks.engine, reference):
-        for index, request in enumerate(requests):
+        for index, request in enumerate(SAMPLE_REQUESTS):
             engine.add_sample(f"r{index}", request)
-        finished = {}
-        while engine.has_sampling_work():
-            finished.update(engine.step_sampler())
-        outcomes.append(finished)
-    for key, want in outcomes[1].items():
-        got = outcomes[0][key]
-        assert [s.tokens.tolist() for s in got.sequences] == [s.tokens.tolist() for s in want.sequences]
+        if engine is ranks.engine:  # each rank is a sampling group here, and took half the queue
+            assert sorted(ranks.engine._sample_group.values()) == [0] * 4 + [1] * 4
+        outcomes.append(drain_sampler(engine))
+    assert_same_samples(*outcomes)
+
+
+# Eight requests, greedy and seeded, of several prompt lengths and sample counts.
+SAMPLE_REQUESTS = [
+    SampleRequest(
+        np.array([5, 9, 2, 44, 17, 3][: 2 + k % 5], np.int64),
+        SamplingParams(max_tokens=4 + k % 3, temperature=0.0 if k % 2 else 1.0, seed=k),
+        num_samples=1 + k % 2,
+    )
+    for k in range(8)
+]
+
+
+def drain_sampler(engine: Engine) -> dict[str, object]:
+    """Step `engine`'s sampler until it has no work; every finished request's result by key."""
+    finished = {}
+    while engine.has_sampling_work():
+        finished.update(engine.step_sampler())
+    return finished
+
+
+def assert_same_samples(got: dict[str, object], want: dict[str, object]) -> None:
+    """The same requests finished, each with the same tokens and stop reasons (their logprobs' bounds are
+    the sampler tests' concern)."""
+    assert got.keys() == want.keys()
+    for key, result in want.items():
+        drawn = [[(s.tokens.tolist(), s.stop_reason) for s in r.sequences] for r in (got[key], result)]
+        assert drawn[0] == drawn[1], key

@@ -7,21 +7,25 @@ bytes each rank holds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from loraplex.engine.types import PassResult, SampleRequest, SamplingParams
+from loraplex.engine.types import PassResult
 from tests.distributed.conftest import Ranks, adapter_state, start_ranks
 from tests.distributed.test_parity import (
     ADAMW_NOISE_MULTIPLE,
     CONFIGS,
     PARAMS,
+    SAMPLE_REQUESTS,
     assert_adapters_equal,
     assert_adapters_identical,
     assert_results_equal,
+    assert_same_samples,
+    drain_sampler,
     slots_on,
     train,
     training_pass,
@@ -116,35 +120,31 @@ def test_a_peft_snapshot_of_a_split_slot_is_the_single_rank_one(ranks, reference
             assert (tmp_path / "tp" / file).read_bytes() == (tmp_path / "one" / file).read_bytes(), file
 
 
-def test_sampling_on_the_first_group_draws_the_single_rank_tokens(ranks, reference, tmp_path) -> None:
+def test_sampling_groups_share_the_queue_and_draw_the_single_rank_tokens(ranks, reference, tmp_path) -> None:
     with slots_on(ranks.engine, reference) as slots:
         train((reference,), slots, steps=1, seed=800)
         reference.save_state(slots[0], tmp_path / "ckpt", owner_digest="owner")
         ranks.engine.load_state(tmp_path / "ckpt", "owner", with_optimizer=False, slot=slots[0])
         reference.load_state(tmp_path / "ckpt", "owner", with_optimizer=False, slot=slots[0])
-        for engine in (ranks.engine, reference):
-            engine.save_snapshot(slots[0], tmp_path / f"snap-{id(engine)}")
-        requests = {
-            "greedy": (None, SamplingParams(max_tokens=6, temperature=0.0), 1),
-            "seeded": (None, SamplingParams(max_tokens=5, seed=3, top_k=20, top_p=0.9), 2),
-            "adapter": ("snap", SamplingParams(max_tokens=6, temperature=0.0), 1),
-        }
+        snapshots = {}
+        for name, engine in (("tp", ranks.engine), ("one", reference)):
+            snapshots[name] = tmp_path / f"snap-{name}"
+            engine.save_snapshot(slots[0], snapshots[name])
         outcomes = []
-        for engine in (ranks.engine, reference):
-            for key, (adapter, params, n) in requests.items():
-                snapshot = None if adapter is None else tmp_path / f"snap-{id(engine)}"
-                prompt = np.array([5, 9, 2, 44, 17], np.int64)
-                engine.add_sample(key, SampleRequest(prompt, params, num_samples=n, snapshot=snapshot))
-            finished = {}
-            while engine.has_sampling_work():
-                finished.update(engine.step_sampler())
-            outcomes.append(finished)
-        # The tokens drawn; their logprobs' bound is tests/engine/test_sampler_tensor_parallel.py's concern.
-        got, want = outcomes
-        assert got.keys() == want.keys() == requests.keys()
-        for key in requests:
-            drawn = [[(s.tokens.tolist(), s.stop_reason) for s in o[key].sequences] for o in (got, want)]
-            assert drawn[0] == drawn[1], key
+        for name, engine in (("tp", ranks.engine), ("one", reference)):
+            for index, request in enumerate(SAMPLE_REQUESTS):
+                adapter = snapshots[name] if index % 3 == 0 else None  # some through the adapter
+                engine.add_sample(f"r{index}", dataclasses.replace(request, snapshot=adapter))
+            if engine is ranks.engine:  # every data-parallel group took its share of the queue
+                groups = ranks.engine._group.dp_size
+                assert sorted(ranks.engine._sample_group.values()) == sorted(
+                    k % groups for k in range(len(SAMPLE_REQUESTS))
+                )
+            outcomes.append(drain_sampler(engine))
+        assert_same_samples(*outcomes)
+        # The engine's counter sums every group's (each group's ranks sample together: counted once).
+        drawn = sum(len(s.tokens) for result in outcomes[0].values() for s in result.sequences)
+        assert ranks.engine.usage().sampled_tokens == drawn
 
 
 def test_each_rank_holds_about_half_the_base_and_its_part_of_every_slot(ranks, reference) -> None:

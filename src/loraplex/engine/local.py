@@ -276,6 +276,10 @@ class LocalEngine(Engine):
         """Drop a waiting or generating sampling request (see sampler/generation.py)."""
         return self.sampler.cancel(key)
 
+    def drop_samples(self) -> None:
+        """Drop every sampling request, as a failed `step_sampler` does (a peer's step failed)."""
+        self.sampler.drop_everything()
+
     def has_sampling_work(self) -> bool:
         """Whether a sampling request is waiting or generating."""
         return self.sampler.has_work()

@@ -6,8 +6,9 @@ change to a slot first (create, load) and then has the other ranks follow it, sp
 across the data-parallel groups by tokens (each group's ranks run the same share together), and steps
 with flat gradient all-reduces (prepared on every rank, then applied or aborted on every rank). Saves
 and snapshots gather the first group's parts and rank 0 writes them, so checkpoints are those of a
-single-rank engine whatever N and T are. Sampling runs on the first group: on rank 0 alone with T = 1,
-else on its T ranks in lockstep.
+single-rank engine whatever N and T are. Sampling requests are spread over the groups on rank 0's
+machine (they read snapshots from its data dir), each group's ranks decoding in lockstep; each request
+stays on its group until it finishes.
 
 A watchdog thread pings idle ranks and watches local rank processes. When a rank dies, hangs past the
 timeout or diverges, the engine fails for good: the call in flight and every later one raise a
@@ -52,7 +53,7 @@ from loraplex.engine.distributed.protocol import (
     take_back,
 )
 from loraplex.engine.distributed.replica import execute, reply
-from loraplex.engine.interface import Engine, EngineUsage, ParameterBytes
+from loraplex.engine.interface import Engine, EngineUsage
 from loraplex.engine.local import LocalEngine
 from loraplex.engine.pending_step import PendingStep
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_tokens
@@ -101,9 +102,16 @@ class DistributedEngine(Engine):
         self._failure_lock = threading.Lock()
         self._last_exchange = time.monotonic()
         self._step: PendingStep[tuple[int, ...]] = PendingStep()  # the prepared step's slots, if any
-        # Every rank's bytes as its last reply carried them (protocol.RankReply), first by the Ping below:
+        # Every rank's usage as its last reply carried it (protocol.RankReply), first by the Ping below:
         # usage() reads them, so /metrics sees every rank without a collective of its own.
-        self._held: tuple[ParameterBytes, ...] = ()
+        self._usages: tuple[EngineUsage, ...] = ()
+        # Sampling groups read snapshots from rank 0's data dir: those whose ranks all run on its machine.
+        self._sampling_groups = [
+            dp_rank
+            for dp_rank in range(group.dp_size)
+            if all(group.hosts[rank] == group.hosts[0] for rank in group.ranks_of(dp_rank))
+        ]
+        self._sample_group: dict[str, int] = {}  # every queued or running sampling request's group
         self._closing = threading.Event()
         self._exchange([Ping()] * group.world_size)
         self._watchdog = threading.Thread(target=self._watch, name="loraplex-rank-watchdog", daemon=True)
@@ -237,47 +245,74 @@ class DistributedEngine(Engine):
         self.local.pool.get(slot)  # NotFoundError before anything is sent
         return self._exchange([SaveSnapshot(slot, Path(directory))] * self._group.world_size)[0]  # type: ignore[return-value]
 
-    # --- sampling, on the first data-parallel group
+    # --- sampling, on every data-parallel group on rank 0's machine
     def validate_sample_request(self, request: SampleRequest) -> None:
         """Rank 0 checks the request (snapshots are files; see LocalEngine)."""
         self.local.validate_sample_request(request)
 
     def add_sample(self, key: str, request: SampleRequest) -> None:
-        """Queue a sampling request on the sampling group."""
-        self._on_sampling_group(AddSample(key, request))
+        """Queue a sampling request on the sampling group with the fewest requests (the first on a tie)."""
+        queued = {group: 0 for group in self._sampling_groups}
+        for group in self._sample_group.values():
+            queued[group] += 1
+        group = min(queued, key=queued.__getitem__)
+        self._on_sampling_groups({group: AddSample(key, request)})
+        self._sample_group[key] = group
 
     def step_sampler(
         self, max_prefill_tokens: int | None = None
     ) -> list[tuple[str, SampleResult | UserError]]:
-        """One admission + decode step of the sampling group, in lockstep."""
-        return self._on_sampling_group(StepSampler(max_prefill_tokens))  # type: ignore[return-value]
+        """One admission + decode step of every sampling group with requests, each with the whole prefill
+        budget (a group is its own devices); the finished requests of all of them."""
+        busy = sorted(set(self._sample_group.values()))
+        try:
+            replies = self._on_sampling_groups({group: StepSampler(max_prefill_tokens) for group in busy})
+        except Exception:  # every sampler dropped every request (protocol.DropSamples): the caller fails them
+            self._sample_group.clear()
+            raise
+        finished = [outcome for group in busy for outcome in replies[group]]  # type: ignore[attr-defined]
+        for key, _ in finished:
+            self._sample_group.pop(key, None)
+        return finished
 
     def cancel_sample(self, key: str) -> bool:
-        """Drop a request from the sampling group."""
-        return self._on_sampling_group(CancelSample(key))  # type: ignore[return-value]
+        """Drop a request from the group sampling it; False if no group holds it."""
+        group = self._sample_group.pop(key, None)
+        if group is None:
+            return False
+        return self._on_sampling_groups({group: CancelSample(key)})[group]  # type: ignore[return-value]
 
     def has_sampling_work(self) -> bool:
-        """Whether the sampling group has work (its ranks' samplers hold the same requests)."""
-        return self.local.has_sampling_work()
+        """Whether any sampling group holds a request (each request until it finishes or is cancelled)."""
+        return bool(self._sample_group)
 
-    def _on_sampling_group(self, command: SamplerCommand) -> object:
-        """Rank 0's reply to a sampler command its tensor-parallel group runs together: with one
-        tensor-parallel rank, rank 0's sampler alone (no exchange); else an exchange in which the other
-        data-parallel groups only answer."""
-        if not self._group.tp.is_parallel:
-            return execute(command, self.local, self._group)
-        sampling = self._group.ranks_of(0)
-        return self._exchange([command if rank in sampling else Ping() for rank in self._ranks])[0]
+    def _on_sampling_groups(self, commands: dict[int, SamplerCommand]) -> dict[int, object]:
+        """Each given data-parallel group's first rank's reply to its sampler command, which the group's
+        ranks run together. Rank 0's group alone, of one rank, runs it here with no exchange."""
+        group = self._group
+        if set(commands) == {0} and not group.tp.is_parallel:
+            return {0: execute(commands[0], self.local, group)}
+        per_rank = [commands.get(group.rank_dp(rank), Ping()) for rank in self._ranks]
+        replies = self._exchange(per_rank)
+        return {dp_rank: replies[group.ranks_of(dp_rank)[0]] for dp_rank in commands}
 
     @property
     def _ranks(self) -> range:
         return range(self._group.world_size)
 
     def usage(self) -> EngineUsage:
-        """Rank 0's sampler and device memory, and every rank's parameter bytes: rank 0's now, the others'
-        as of the last exchange (commands and heartbeats: at most a few seconds old when idle)."""
+        """Rank 0's device memory; every rank's parameter bytes; the sampler counters of every sampling
+        group (its first rank's: its ranks sample together). Rank 0's own figures are read now, the
+        others' as of the last exchange (commands and heartbeats: at most a few seconds old when idle)."""
         own = self.local.usage()
-        return dataclasses.replace(own, parameter_bytes=(*own.parameter_bytes, *self._held[1:]))
+        usages = (own, *self._usages[1:])
+        sampling = [usages[self._group.ranks_of(dp_rank)[0]] for dp_rank in self._sampling_groups]
+        counters = {
+            name: sum(getattr(usage, name) for usage in sampling)
+            for name in ("prefill_tokens", "sampled_tokens", "sequences", "kv_cache_bytes", "kv_cache_tokens")
+        }
+        parameter_bytes = tuple(b for usage in usages for b in usage.parameter_bytes)
+        return dataclasses.replace(own, parameter_bytes=parameter_bytes, **counters)
 
     # --- exchanges, failure and shutdown
     def _exchange(self, commands: list[RankCommand]) -> list[object]:
@@ -297,7 +332,7 @@ class DistributedEngine(Engine):
         finally:
             self._last_exchange = time.monotonic()
         envelopes = cast(list[RankReply], gathered)  # what every rank sends (replica.reply)
-        self._held = tuple(envelope.held for envelope in envelopes)
+        self._usages = tuple(envelope.usage for envelope in envelopes)
         replies = [envelope.value for envelope in envelopes]
         errors = [value for value in replies if isinstance(value, RankError)]
         if errors:
@@ -396,6 +431,7 @@ _WHAT = {
     ApplyStep: "optimizer step",
     SaveState: "checkpoint save",
     SaveSnapshot: "snapshot save",
+    StepSampler: "sampling step",
 }
 
 

@@ -104,6 +104,7 @@ class RankGroup:
     start_group: dist.ProcessGroup  # gloo, with the start-up timeout: used before the engine is ready
     replicas: dist.ProcessGroup  # the ranks holding this rank's part of the model, one per data group
     tp: TensorParallel = SINGLE  # this rank's tensor-parallel group
+    hosts: tuple[str, ...] = ()  # each rank's machine (hostname), by rank, once the ranks have started
 
     @property
     def dp_size(self) -> int:

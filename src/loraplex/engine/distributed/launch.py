@@ -8,7 +8,9 @@ No HTTP, no SQL.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -40,13 +42,16 @@ def start_rank(
     env: RankEnv, build: EngineBuilder, device: str, timeouts: RankTimeouts, tp_size: int = 1
 ) -> tuple[LocalEngine, RankGroup]:
     """Join the mesh of tensor-parallel groups of `tp_size` ranks, build this rank's engine (its part of
-    the model), and check that every rank serves the same base model."""
+    the model), check that every rank serves the same base model, and learn each rank's machine."""
     device_name = rank_device(device, env.local_rank)
     group = join_group(env, torch.device(device_name), timeouts, tp_size)
     try:
         engine = build(device_name, group.tp)
-        digests: list[str | None] = [None] * env.world_size
-        dist.all_gather_object(digests, engine.info.base_model_digest, group=group.start_group)
+        # Each rank's base model digest and machine, in one collective.
+        found: list[tuple[str, str] | None] = [None] * env.world_size
+        identity = (engine.info.base_model_digest, socket.gethostname())
+        dist.all_gather_object(found, identity, group=group.start_group)
+        digests = [digest for digest, _ in found]  # type: ignore[misc]  # every rank sent its pair
         if len(set(digests)) > 1:
             raise UserError(
                 f"the engine ranks loaded different base models (digest by rank: {digests}); "
@@ -55,7 +60,7 @@ def start_rank(
     except BaseException:
         leave_group()
         raise
-    return engine, group
+    return engine, dataclasses.replace(group, hosts=tuple(host for _, host in found))  # type: ignore[misc]
 
 
 def describe_exits(codes: dict[int, int]) -> str:

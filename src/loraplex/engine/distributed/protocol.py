@@ -2,8 +2,9 @@
 
 One exchange: rank 0 scatters one command per rank (the same one, or each rank's share of a pass)
 over the control group, every rank executes its own (replica.py), and rank 0 gathers the replies in
-rank order, each with the bytes its rank holds after the command (RankReply): so rank 0 knows every
-rank's memory as of the last exchange, heartbeats included, without a collective of its own.
+rank order, each with its rank's usage after the command (RankReply: the bytes it holds, its sampler's
+counters): so rank 0 knows every rank's memory and sampling as of the last exchange, heartbeats
+included, without a collective of its own.
 Commands are plain picklable dataclasses; tensors they imply (gradients, slot state) move separately on
 the data group. An optimizer step takes two exchanges, PrepareStep and then ApplyStep (or
 AbortStep), so that rank 0's caller can record its outcome in between. No HTTP, no SQL.
@@ -17,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from loraplex.engine.distributed.group import RankGroup
-from loraplex.engine.interface import ParameterBytes
+from loraplex.engine.interface import EngineUsage
 from loraplex.engine.types import AdamParams, LoraConfig, PassRequest, SampleRequest
 from loraplex.errors import UserError
 
@@ -138,6 +139,12 @@ class Shutdown:
     """Leave the command loop and the group; not answered."""
 
 
+@dataclass(frozen=True)
+class DropSamples:
+    """Every sampler drops every request, as a failed step does: some sampling rank's step failed, and the
+    runtime fails every request the samplers held."""
+
+
 SamplerCommand = AddSample | StepSampler | CancelSample
 RankCommand = (
     RunPass
@@ -150,13 +157,14 @@ RankCommand = (
     | SyncSlot
     | FreeSlot
     | SamplerCommand
+    | DropSamples
     | Ping
     | Shutdown
 )
 # Commands a rank answers with a RankError when its share raises, staying in the group: rank 0 then takes
 # the whole back on every rank (take_back) and raises the error, or, where that cannot be done
 # (ApplyStep), fails the engine. A failed save changed no slot: there is nothing to take back.
-REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot)
+REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot, StepSampler)
 
 
 def take_back(command: RankCommand) -> RankCommand | None:
@@ -166,6 +174,8 @@ def take_back(command: RankCommand) -> RankCommand | None:
         return AbortStep(tuple(command.steps))
     if isinstance(command, RunPass):
         return Rollback()
+    if isinstance(command, StepSampler):
+        return DropSamples()
     return None
 
 
@@ -182,11 +192,11 @@ class RankError:
 
 @dataclass(frozen=True)
 class RankReply:
-    """What a rank sends back for a command: the command's own reply, and the bytes its tensors hold
-    right after it (a few integers, so every exchange carries them)."""
+    """What a rank sends back for a command: the command's own reply, and the rank's usage right after it
+    (LocalEngine.usage: a few integers, so every exchange carries them)."""
 
     value: object
-    held: ParameterBytes
+    usage: EngineUsage
 
 
 def scatter_commands(group: RankGroup, commands: list[RankCommand] | None) -> RankCommand:

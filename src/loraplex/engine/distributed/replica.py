@@ -18,6 +18,7 @@ from loraplex.engine.distributed.protocol import (
     AddSample,
     ApplyStep,
     CancelSample,
+    DropSamples,
     FreeSlot,
     Ping,
     PrepareStep,
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 
 
 def reply(command: RankCommand, engine: LocalEngine, group: RankGroup) -> RankReply:
-    """`answer`, sent back with the bytes this rank holds after it (the reply every rank gathers)."""
-    return RankReply(answer(command, engine, group), engine.parameter_bytes())
+    """`answer`, sent back with this rank's usage after it (the reply every rank gathers)."""
+    return RankReply(answer(command, engine, group), engine.usage())
 
 
 def answer(command: RankCommand, engine: LocalEngine, group: RankGroup) -> object:
@@ -89,6 +90,8 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
         return engine.step_sampler(command.max_prefill_tokens)
     if isinstance(command, CancelSample):
         return engine.cancel_sample(command.key)
+    if isinstance(command, DropSamples):
+        return engine.drop_samples()
     if isinstance(command, Ping):
         return None
     raise ServerError(f"engine rank {group.rank} has no executor for {type(command).__name__}")

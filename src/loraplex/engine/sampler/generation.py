@@ -180,10 +180,10 @@ class Sampler:
         try:
             return self._step(max_prefill_tokens)
         except BaseException:
-            self._drop_everything()
+            self.drop_everything()
             raise
 
-    def _drop_everything(self) -> None:
+    def drop_everything(self) -> None:
         """Forget every request, cache row and snapshot use, whatever state a failed step left."""
         self._jobs.clear()
         self._waiting.clear()
