@@ -1,8 +1,8 @@
 """Tensor-parallel ranks compute what one rank computes: `--tp 2` on two ranks (one group) and on four
-(two data-parallel groups of two), against the single-rank reference of tests/distributed/conftest.py and
-its float64 twin: passes and fused steps of three slots with different losses, ranks and clip norms,
-checkpoints across T in both directions (parked gradients included), PEFT snapshots, sampling, and the
-bytes each rank holds.
+(two data-parallel groups of two), on the built-in Qwen3 and on a Llama split unevenly, against the
+single-rank reference of tests/distributed/conftest.py and its float64 twin: passes and fused steps of
+three slots with different losses, ranks and clip norms, checkpoints across T in both directions (parked
+gradients included), PEFT snapshots, sampling, and the bytes each rank holds.
 """
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from transformers import LlamaConfig
 
 from loraplex.engine.types import PassResult
-from tests.distributed.conftest import Ranks, adapter_state, start_ranks
+from tests.distributed.conftest import (
+    VOCAB,
+    Ranks,
+    ReferenceEngine,
+    adapter_state,
+    build_reference,
+    start_ranks,
+)
 from tests.distributed.test_parity import (
     ADAMW_NOISE_MULTIPLE,
     CONFIGS,
@@ -30,9 +38,20 @@ from tests.distributed.test_parity import (
     train,
     training_pass,
 )
+from tests.model.test_decoder_parity import save_random_hf_model
 
-# (ranks, tensor-parallel ranks per group)
-MESHES = [(2, 2), (4, 2)]
+# (model, ranks, tensor-parallel ranks per group): the built-in Qwen3 in both meshes, and a Llama whose MLP
+# width and vocabulary the two ranks split unevenly.
+CASES = [("qwen3", 2, 2), ("qwen3", 4, 2), ("llama", 2, 2)]
+LLAMA = LlamaConfig(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=250,
+    vocab_size=VOCAB + 3,
+    tie_word_embeddings=False,
+)
 # Data-parallel ranks run each datum exactly as one rank does and round differently only where shares are
 # summed; tensor-parallel ranks round differently in every layer (each row-parallel output and each
 # whole-held gradient is a sum of T partial products over halves of the inner dimension), so their
@@ -43,11 +62,39 @@ MESHES = [(2, 2), (4, 2)]
 TP_ADAMW_NOISE_MULTIPLE = 2 * ADAMW_NOISE_MULTIPLE
 
 
-@pytest.fixture(scope="module", params=MESHES, ids=[f"n{n}-tp{t}" for n, t in MESHES])
-def ranks(request: pytest.FixtureRequest, data_dir: Path) -> Iterator[Ranks]:
-    world_size, tp = request.param
-    with start_ranks(data_dir, world_size=world_size, tp=tp) as running:
-        yield running
+@pytest.fixture(scope="module")
+def models(data_dir: Path) -> dict[str, str]:
+    """--model of each case's model: the built-in one, and a random Llama written once."""
+    save_random_hf_model(LLAMA, data_dir / "llama")
+    return {"qwen3": "tiny", "llama": str(data_dir / "llama")}
+
+
+@pytest.fixture(scope="module")
+def references(data_dir: Path, models: dict[str, str]) -> dict[str, ReferenceEngine]:
+    """Each model's single-rank reference, built once for every case of the model."""
+    return {name: build_reference(data_dir, model) for name, model in models.items()}
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{m}-n{n}-tp{t}" for m, n, t in CASES])
+def case(
+    request: pytest.FixtureRequest,
+    data_dir: Path,
+    models: dict[str, str],
+    references: dict[str, ReferenceEngine],
+) -> Iterator[tuple[Ranks, ReferenceEngine]]:
+    name, world_size, tp = request.param
+    with start_ranks(data_dir, model=models[name], world_size=world_size, tp=tp) as running:
+        yield running, references[name]
+
+
+@pytest.fixture(scope="module")
+def ranks(case: tuple[Ranks, ReferenceEngine]) -> Ranks:
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def reference(case: tuple[Ranks, ReferenceEngine]) -> ReferenceEngine:
+    return case[1]
 
 
 def test_five_rounds_of_three_slots_leave_the_single_rank_adapters_and_outputs(ranks, reference) -> None:
