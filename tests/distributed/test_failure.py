@@ -75,3 +75,24 @@ def test_a_share_of_a_pass_that_raises_fails_that_pass_only(tmp_path, monkeypatc
         assert ranks.engine.failure is None and ranks.failures == []
         (result,) = ranks.engine.run_pass([request])  # the group still works
         assert len(result.outputs) == 3
+
+
+def test_under_tensor_parallelism_a_failed_share_fails_the_engine_at_once_naming_the_rank(
+    tmp_path, monkeypatch
+) -> None:
+    """Its peers wait in a collective it will not join: no take-back is possible, so the engine fails now,
+    not at the collective timeout (60 s here)."""
+    with start_ranks(tmp_path, tp=2) as ranks:
+        slot = ranks.engine.create_slot(LoraConfig(rank=4))
+
+        def out_of_memory(requests, keep_undo=False):
+            raise RuntimeError("CUDA out of memory")
+
+        monkeypatch.setattr(ranks.engine.local, "run_pass", out_of_memory)
+        start = time.monotonic()
+        with pytest.raises(
+            ServerError, match=r"engine rank 0 failed its part of a RunPass .*out of memory.*restart"
+        ):
+            ranks.engine.run_pass([sft_request(slot, [5, 9, 13], seed=0)])
+        assert time.monotonic() - start < 5
+        assert len(ranks.failures) == 1

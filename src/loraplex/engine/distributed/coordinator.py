@@ -324,11 +324,17 @@ class DistributedEngine(Engine):
             return self._exchange_locked(commands)
 
     def _exchange_locked(self, commands: list[RankCommand]) -> list[object]:
+        stage = "exchange"
         try:
             own = scatter_commands(self._group, commands)
-            gathered = gather_replies(self._group, reply(own, self.local, self._group))
+            stage = "own"
+            envelope = reply(own, self.local, self._group)
+            stage = "exchange"
+            gathered = gather_replies(self._group, envelope)
         except Exception as error:  # a collective broke: a rank died, hung past the timeout or diverged
-            raise self._fail(self._diagnose(error)) from error
+            # Rank 0's own part raised, not in a collective (replica.answer): name rank 0.
+            own_failure = f"engine rank 0 failed its part of a {type(commands[0]).__name__} ({error})"
+            raise self._fail(self._diagnose(error, own_failure if stage == "own" else None)) from error
         finally:
             self._last_exchange = time.monotonic()
         envelopes = cast(list[RankReply], gathered)  # what every rank sends (replica.reply)
@@ -359,10 +365,13 @@ class DistributedEngine(Engine):
                 raise self._fail(f"engine rank {rank} rejected a request that rank 0 accepted ({result})")
         return reply
 
-    def _diagnose(self, error: Exception) -> str:
-        """The likeliest cause of a broken collective: a local rank that exited, else the error itself."""
+    def _diagnose(self, error: Exception, own_failure: str | None = None) -> str:
+        """The likeliest cause of a failed exchange: a local rank that exited (whose death broke a
+        collective rank 0 was in), else rank 0's own failure where it had one, else the error itself."""
         exited = self._local_ranks.exited(_EXIT_GRACE_S) if self._local_ranks else {}
-        return describe_exits(exited) if exited else f"an engine rank stopped answering ({error})"
+        if exited:
+            return describe_exits(exited)
+        return own_failure or f"an engine rank stopped answering ({error})"
 
     def _fail(self, cause: str) -> ServerError:
         """Fail the engine for good (once; later causes are dropped) and return the error to raise."""

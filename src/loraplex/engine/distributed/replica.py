@@ -52,12 +52,16 @@ def answer(command: RankCommand, engine: LocalEngine, group: RankGroup) -> objec
     A failed share of a pass, step or save becomes a RankError reply and the group stays usable: the local
     engine has already undone it on this rank (or poisoned what a failed apply left half-stepped), and
     rank 0 then has every rank take it back (or fails the engine). Any other failure propagates, because
-    this replica may now differ from the others and must not go on.
+    this replica may now differ from the others and must not go on. So does any failure under tensor
+    parallelism but an apply's (which runs no collective): the rank's peers may be waiting in a collective
+    it will never join, so it leaves the group at once (a worker exits, rank 0 fails the engine) and their
+    collective breaks now rather than at the timeout.
     """
     try:
         return execute(command, engine, group)
     except Exception as error:
-        if not isinstance(command, REPORTED):
+        in_lockstep = group.tp.is_parallel and not isinstance(command, ApplyStep)
+        if not isinstance(command, REPORTED) or in_lockstep:
             raise
         log.exception("engine rank %d: its share of a %s failed", group.rank, type(command).__name__)
         user_error = error if isinstance(error, UserError) else None
