@@ -18,7 +18,8 @@ import tinker
 from tinker import types
 
 from tests.e2e.conftest import Server
-from tests.e2e.sdk import base_model, client
+from tests.e2e.sdk import base_model, client, logprobs
+from tests.e2e.test_export import peft_logprobs, tinker_cli
 from tests.e2e.test_observability import scrape_until, tiny_plan
 
 LENGTHS = (6, 11, 17, 4)  # per datum: both ranks get some of each request
@@ -177,16 +178,23 @@ def _greedy(run: tinker.TrainingClient) -> list[int]:
 
 
 def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_sdk(tmp_path) -> None:
-    """`serve --nproc 2 --tp 2` trains, samples and reports its split as one rank does; killed, it stops with
-    the rank named; its checkpoint then resumes on one rank of the same data dir."""
+    """`serve --nproc 2 --tp 2` trains, samples, exports and reports its split as one rank does; killed, it
+    stops with the rank named; its checkpoint then resumes on one rank of the same data dir."""
     server = _server(tmp_path, "data", "--nproc", "2", "--tp", "2")
     try:
         server.start()
         service = client(server)
         run = service.create_lora_training_client(base_model=base_model(server), rank=8, seed=1).result()
         losses = _train(run, 3)
+        assert losses[-1] < losses[0]
         checkpoint = run.save_state("tp").result().path
         expected, tokens = _logprobs(run), _greedy(run)
+        # The PEFT export, downloaded with the tinker CLI, gives HF peft this server's logprobs.
+        export = run.save_weights_external("final").result().path
+        done = tinker_cli(server, "tml-local", "checkpoint", "download", export, "--output", str(tmp_path / "out"))
+        assert done.returncode == 0, done.stderr
+        adapter = tmp_path / "out" / export.removeprefix("tinker://").replace("/", "_")
+        np.testing.assert_allclose(peft_logprobs(server, adapter)[0], logprobs(run), atol=1e-4)
         # Both ranks hold what the memory plan states for one rank of two (the tiny model splits evenly).
         plan = tiny_plan(server, tp=2)
         one_rank = {

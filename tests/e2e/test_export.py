@@ -50,13 +50,13 @@ def _rest(server: Server, key: str) -> tinker.RestClient:
     return tinker.RestClient(base_url=server.base_url, api_key=key)
 
 
-def _cli(server: Server, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+def tinker_cli(server: Server, key: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TINKER_BASE_URL": server.base_url, "TINKER_API_KEY": key, "TINKER_TELEMETRY": "0"}
     cmd = [sys.executable, "-m", "tinker.cli", *args]  # the `tinker` command
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def _peft_logprobs(server: Server, adapter_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+def peft_logprobs(server: Server, adapter_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     """PHRASE's logprobs from HF peft with the adapter in `adapter_dir`, and from the base model alone."""
     base = AutoModelForCausalLM.from_pretrained(server.data_dir / "models" / "tiny", dtype=torch.float32)
     with warnings.catch_warnings():
@@ -76,11 +76,11 @@ def test_the_cli_downloads_an_export_that_peft_loads_to_the_servers_logprobs(
     server, keys = keyed
     path, server_logprobs = export
     assert path.endswith("/external_weights/final")
-    done = _cli(server, keys["alice"], "checkpoint", "download", path, "--output", str(tmp_path))
+    done = tinker_cli(server, keys["alice"], "checkpoint", "download", path, "--output", str(tmp_path))
     assert done.returncode == 0, done.stderr
     target = tmp_path / path.removeprefix("tinker://").replace("/", "_")
     assert sorted(p.name for p in target.iterdir()) == ADAPTER_FILES
-    adapted, plain = _peft_logprobs(server, target)
+    adapted, plain = peft_logprobs(server, target)
     np.testing.assert_allclose(adapted, server_logprobs, atol=1e-4)
     assert np.abs(plain - server_logprobs).max() > 1e-2  # the adapter matters, so the match means something
 
