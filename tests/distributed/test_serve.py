@@ -191,9 +191,10 @@ def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_s
         expected, tokens = _logprobs(run), _greedy(run)
         # The PEFT export, downloaded with the tinker CLI, gives HF peft this server's logprobs.
         export = run.save_weights_external("final").result().path
-        done = tinker_cli(server, "tml-local", "checkpoint", "download", export, "--output", str(tmp_path / "out"))
+        out = tmp_path / "out"
+        done = tinker_cli(server, "tml-local", "checkpoint", "download", export, "--output", str(out))
         assert done.returncode == 0, done.stderr
-        adapter = tmp_path / "out" / export.removeprefix("tinker://").replace("/", "_")
+        adapter = out / export.removeprefix("tinker://").replace("/", "_")
         np.testing.assert_allclose(peft_logprobs(server, adapter)[0], logprobs(run), atol=1e-4)
         # Both ranks hold what the memory plan states for one rank of two (the tiny model splits evenly).
         plan = tiny_plan(server, tp=2)
