@@ -16,7 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zstandard
+from fastapi import routing as fastapi_routing
+from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
@@ -36,7 +39,8 @@ from tests.fakes import VOCAB, FakeEngine
 # not counted (loop_stalls); what the scheduler adds while it runs (switching between its threads) is
 # measured in the same test, with the app idle, and allowed on top. Quiet, the longest stall measured
 # 27-44 ms (thread switching); before the codec pool, 3.8 s (the first body decoded on the loop), then
-# 0.5 s and 0.3 s; a full collection of the test process's heap, 0.3-0.6 s (loraplex/heap.py).
+# 0.5 s and 0.3 s; a full collection of the test process's heap, 0.3-0.6 s (loraplex/heap.py); FastAPI
+# building the /v1 routes on the first request there, 90-130 ms (build_route_tables in api/app.py).
 STALL_BOUND_S = 0.1
 _QUIET_WINDOW_S = 1.0
 _BEAT_S = 0.001
@@ -180,3 +184,30 @@ def test_no_callback_holds_the_loop_while_large_bodies_and_results_go_through(tm
         assert [pair[0] for pair in topk[4095]] == prompt_ids[4095].tolist()
         topk_proto = deserialize_sample_response(results["sample", "proto"].content).topk_prompt_logprobs
         assert [pair[0] for pair in topk_proto[4095]] == prompt_ids[4095].tolist()
+
+
+def test_no_request_builds_a_route_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FastAPI builds an included router's route table on the first request that looks through it, on
+    the event loop (the first /v1 request held it 90-130 ms); create_app builds them all beforehand."""
+    built: list[str] = []
+    build = fastapi_routing._EffectiveRouteContext.from_api_route.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type, *, original_route: APIRoute, include_context: object) -> object:
+        built.append(original_route.path)
+        return build(cls, original_route=original_route, include_context=include_context)
+
+    monkeypatch.setattr(fastapi_routing._EffectiveRouteContext, "from_api_route", classmethod(counted))
+    app = create_app(Runtime.open(FakeEngine(), ServerConfig(data_dir=tmp_path)))
+    assert len(built) > 50  # every route, in create_app
+    built.clear()
+    with TestClient(app) as http:
+        bearer = {"Authorization": f"Bearer {KEY['X-API-Key']}"}
+        replies = [
+            http.get("/v1/models", headers=bearer),
+            http.get("/api/v1/healthz"),
+            http.get("/metrics", headers=KEY),
+            http.get("/console/"),
+            http.get("/nowhere"),
+        ]
+    assert [reply.status_code for reply in replies] == [200, 200, 200, 200, 404]
+    assert built == []

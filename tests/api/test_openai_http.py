@@ -85,6 +85,18 @@ def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClie
     assert _post(http, "/v1/completions", {**base, "logprobs": 21}, headers) == _error(
         400, "logprobs: Input should be less than or equal to 20", "logprobs"
     )
+    assert _post(http, "/v1/completions", {**base, "prompt": 5}, headers) == _error(
+        400, "prompt: give a text, a list of texts, a list of token ids or a list of such lists", "prompt"
+    )
+    # A prompt's form is read from its first item: a later item of another form is named.
+    assert _post(http, "/v1/completions", {**base, "prompt": [1, "a"]}, headers) == _error(
+        400,
+        "prompt.ids.1: Input should be a valid integer, unable to parse string as an integer",
+        "prompt.ids.1",
+    )
+    assert _post(http, "/v1/completions", {**base, "prompt": ["a", [1]]}, headers) == _error(
+        400, "prompt.texts.1: Input should be a valid string", "prompt.texts.1"
+    )
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert _post(http, "/v1/chat/completions", {"model": MODEL, "messages": [image]}, headers) == _error(
         400,
