@@ -1,8 +1,9 @@
 """Tensor-parallel ranks compute what one rank computes: `--tp 2` on two ranks (one group) and on four
-(two data-parallel groups of two), against the single-rank reference of tests/distributed/conftest.py and
-its float64 twin: passes and fused steps of three slots with different losses, ranks and clip norms,
-checkpoints across T in both directions (parked gradients included), PEFT snapshots, sampling, and the
-bytes each rank holds.
+(two data-parallel groups of two), on the tiny dense model and on a tiny random Qwen3-MoE (its experts
+split whole over the group: expert parallelism), against the single-rank reference of
+tests/distributed/conftest.py on the same model and its float64 twin: passes and fused steps of three
+slots with different losses, ranks and clip norms, checkpoints across T in both directions (parked
+gradients included), PEFT snapshots, sampling, and the bytes each rank holds.
 """
 
 from __future__ import annotations
@@ -14,7 +15,14 @@ import numpy as np
 import pytest
 
 from loraplex.engine.types import PassResult, SampleRequest, SamplingParams
-from tests.distributed.conftest import Ranks, adapter_state, start_ranks
+from tests.distributed.conftest import (
+    VOCAB,
+    Ranks,
+    ReferenceEngine,
+    adapter_state,
+    build_reference,
+    start_ranks,
+)
 from tests.distributed.test_parity import (
     ADAMW_NOISE_MULTIPLE,
     CONFIGS,
@@ -26,9 +34,11 @@ from tests.distributed.test_parity import (
     train,
     training_pass,
 )
+from tests.model.test_decoder_parity import save_random_hf_model
+from tests.model.test_moe import moe_config
 
-# (ranks, tensor-parallel ranks per group)
-MESHES = [(2, 2), (4, 2)]
+# (model, ranks, tensor-parallel ranks per group); "qwen3_moe": 8 experts, 4 a rank, and one dense layer.
+SETUPS = [("tiny", 2, 2), ("tiny", 4, 2), ("qwen3_moe", 2, 2), ("qwen3_moe", 4, 2)]
 # Data-parallel ranks run each datum exactly as one rank does and round differently only where shares are
 # summed; tensor-parallel ranks round differently in every layer (each row-parallel output and each
 # whole-held gradient is a sum of T partial products over halves of the inner dimension), so their
@@ -39,10 +49,32 @@ MESHES = [(2, 2), (4, 2)]
 TP_ADAMW_NOISE_MULTIPLE = 2 * ADAMW_NOISE_MULTIPLE
 
 
-@pytest.fixture(scope="module", params=MESHES, ids=[f"n{n}-tp{t}" for n, t in MESHES])
-def ranks(request: pytest.FixtureRequest, data_dir: Path) -> Iterator[Ranks]:
-    world_size, tp = request.param
-    with start_ranks(data_dir, world_size=world_size, tp=tp) as running:
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-n{n}-tp{t}" for m, n, t in SETUPS])
+def setup(request: pytest.FixtureRequest) -> tuple[str, int, int]:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(setup: tuple[str, int, int], data_dir: Path) -> str:
+    """The setup's model as `--model` takes it: the tiny model's name, or the MoE model's directory."""
+    name = setup[0]
+    if name == "tiny":
+        return name
+    directory = data_dir / name
+    if not directory.exists():  # made once, for both meshes
+        save_random_hf_model(moe_config(vocab_size=VOCAB), directory)
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir: Path, model: str) -> ReferenceEngine:
+    return build_reference(data_dir, model)
+
+
+@pytest.fixture(scope="module")
+def ranks(setup: tuple[str, int, int], data_dir: Path, model: str) -> Iterator[Ranks]:
+    _, world_size, tp = setup
+    with start_ranks(data_dir, model=model, world_size=world_size, tp=tp) as running:
         yield running
 
 
