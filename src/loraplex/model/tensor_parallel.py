@@ -90,9 +90,10 @@ class LoRASharding(NamedTuple):
         self, parts: tuple[tuple[int, ...], tuple[int, ...]]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The full shapes of A and B, given this rank's parts' (`LoRATarget.lora_shapes`)."""
-        return tuple(  # type: ignore[return-value]  # two shapes in, two out
-            shape if split is None else split.full_shape(shape)
-            for split, shape in zip(self, parts, strict=True)
+        shape_A, shape_B = parts
+        return (
+            shape_A if self.A is None else self.A.full_shape(shape_A),
+            shape_B if self.B is None else self.B.full_shape(shape_B),
         )
 
 
