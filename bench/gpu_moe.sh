@@ -10,10 +10,10 @@
 # LoRA weights, x4 with gradients and AdamW moments; activations ~200 KB per token per layer (the
 # experts' gathered rows and each slot's LoRA rows), ~40 GB at 8192 tokens. 16k tokens per step
 # (TOKENS_PER_SLOT=4096) needs ~80 GB of activations: it fits an H200 only just.
-# NPROC and TP as in bench/gpu.sh; a MoE base runs at TP=1 until expert parallelism exists (NPROC data
-# parallel ranks, each holding the whole model).
+# NPROC and TP as in bench/gpu.sh; TP ranks of a group split the experts, 128/TP each (TP must divide
+# 128 and the 4 KV heads), with their LoRA blocks (docs/MOE.md, expert parallelism).
 # Dry run of the plumbing on a CPU (tests/test_gpu_scripts.py runs it):
-#   MODEL=smoke-moe DEVICE=cpu SLOTS=2 TOKENS_PER_SLOT=8 ROUNDS=1 NPROC=2 bench/gpu_moe.sh --no-memory
+#   MODEL=smoke-moe DEVICE=cpu SLOTS=2 TOKENS_PER_SLOT=8 ROUNDS=1 NPROC=2 TP=2 bench/gpu_moe.sh --no-memory
 set -euo pipefail
 export MODEL=${MODEL:-qwen3-30b-a3b-shape-24l}
 export SLOTS=${SLOTS:-4}

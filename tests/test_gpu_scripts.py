@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    ("script", "model", "tp"), [("gpu.sh", "smoke", "2"), ("gpu_moe.sh", "smoke-moe", "1")]
+    ("script", "model", "tp"), [("gpu.sh", "smoke", "2"), ("gpu_moe.sh", "smoke-moe", "2")]
 )
 def test_the_gpu_scripts_dry_run_on_the_cpu_with_two_engine_ranks(
     script: str, model: str, tp: str, tmp_path: Path

@@ -1,5 +1,7 @@
 """A mixture-of-experts model on two data-parallel ranks trains exactly as on one: expert LoRA slots are
-replicated and stepped like dense ones."""
+replicated and stepped like dense ones. On two tensor-parallel ranks (expert parallelism) each holds half
+the experts and reports every expert's load (that mesh's parity: tests/distributed/test_tensor_parallel.py).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from transformers import Qwen3MoeConfig
 
 from loraplex.engine.types import DatumInput, PassRequest, PassResult
 from tests.distributed.conftest import (
@@ -40,10 +43,7 @@ def _requests(slots: list[int], seed: int, vocab: int) -> list[PassRequest]:
 
 
 def test_an_moe_model_on_two_ranks_trains_its_expert_adapters_as_on_one(tmp_path: Path) -> None:
-    config = moe_config()
-    model_dir = tmp_path / "qwen3_moe"
-    save_random_hf_model(config, model_dir)
-    reference = build_reference(tmp_path, model=str(model_dir))
+    config, model_dir, reference = _moe_model(tmp_path)
     with start_ranks(tmp_path, model=str(model_dir)) as ranks, slots_on(ranks.engine, reference) as slots:
         for step in range(2):
             requests = _requests(slots, seed=step, vocab=config.vocab_size)
@@ -53,6 +53,35 @@ def test_an_moe_model_on_two_ranks_trains_its_expert_adapters_as_on_one(tmp_path
         assert_adapters_equal(ranks.engine.local, reference, slots)
         assert any(".experts." in name for name in reference.pool.get(slots[0]).weights)
         _assert_wrong_results_are_outside_the_bounds(reference, slots, config.vocab_size)
+
+
+def test_rank_0_of_a_tensor_parallel_pair_holds_half_the_experts_and_reports_every_experts_load(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's pass metrics carry the (MoE layers, E) load the single rank counts: each rank routes every
+    token itself, though it computes only its own experts' rows."""
+    config, model_dir, reference = _moe_model(tmp_path)
+    with (
+        start_ranks(tmp_path, model=str(model_dir), tp=2) as ranks,
+        slots_on(ranks.engine, reference) as slots,
+    ):
+        requests = _requests(slots, seed=0, vocab=config.vocab_size)
+        ranks.engine.run_pass(requests)
+        reference.run_pass(requests)
+        rank_0 = ranks.engine.local
+        experts = rank_0.decoder.model.layers[0].mlp.experts["gate_proj"]
+        assert experts.weight.shape[0] == config.num_experts // 2
+        load = rank_0.last_pass.expert_load
+        assert load is not None and len(load[0]) == config.num_experts
+        assert load == reference.last_pass.expert_load
+
+
+def _moe_model(tmp_path: Path) -> tuple[Qwen3MoeConfig, Path, ReferenceEngine]:
+    """A tiny random Qwen3-MoE directory under tmp_path, its config and the single-rank reference on it."""
+    config = moe_config()
+    model_dir = tmp_path / "qwen3_moe"
+    save_random_hf_model(config, model_dir)
+    return config, model_dir, build_reference(tmp_path, model=str(model_dir))
 
 
 def _assert_wrong_results_are_outside_the_bounds(

@@ -1,7 +1,8 @@
 """Tensor-parallel ranks compute what one rank computes: `--tp 2` on two ranks (one group) and on four
-(two data-parallel groups of two), on the built-in Qwen3 and on a Llama split unevenly, against the
-single-rank reference of tests/distributed/conftest.py and its float64 twin: passes and fused steps of
-three slots with different losses, ranks and clip norms, checkpoints across T in both directions (parked
+(two data-parallel groups of two), on the built-in Qwen3, on a Llama split unevenly and on a tiny random
+Qwen3-MoE (its experts split whole over the group: expert parallelism), against the single-rank reference
+of tests/distributed/conftest.py on the same model and its float64 twin: passes and fused steps of three
+slots with different losses, ranks and clip norms, checkpoints across T in both directions (parked
 gradients included), PEFT snapshots, sampling, and the bytes each rank holds.
 """
 
@@ -39,10 +40,17 @@ from tests.distributed.test_parity import (
     training_pass,
 )
 from tests.model.test_decoder_parity import save_random_hf_model
+from tests.model.test_moe import moe_config
 
-# (model, ranks, tensor-parallel ranks per group): the built-in Qwen3 in both meshes, and a Llama whose MLP
-# width and vocabulary the two ranks split unevenly.
-CASES = [("qwen3", 2, 2), ("qwen3", 4, 2), ("llama", 2, 2)]
+# (model, ranks, tensor-parallel ranks per group): the built-in Qwen3 and a Qwen3-MoE (8 experts, 4 a rank,
+# one dense layer) in both meshes, and a Llama whose MLP width and vocabulary the two ranks split unevenly.
+CASES = [
+    ("qwen3", 2, 2),
+    ("qwen3", 4, 2),
+    ("qwen3_moe", 2, 2),
+    ("qwen3_moe", 4, 2),
+    ("llama", 2, 2),
+]
 LLAMA = LlamaConfig(
     hidden_size=128,
     num_hidden_layers=2,
@@ -64,9 +72,10 @@ TP_ADAMW_NOISE_MULTIPLE = 2 * ADAMW_NOISE_MULTIPLE
 
 @pytest.fixture(scope="module")
 def models(data_dir: Path) -> dict[str, str]:
-    """--model of each case's model: the built-in one, and a random Llama written once."""
+    """--model of each case's model: the built-in one, and random ones written once."""
     save_random_hf_model(LLAMA, data_dir / "llama")
-    return {"qwen3": "tiny", "llama": str(data_dir / "llama")}
+    save_random_hf_model(moe_config(vocab_size=VOCAB), data_dir / "qwen3_moe")
+    return {"qwen3": "tiny", "llama": str(data_dir / "llama"), "qwen3_moe": str(data_dir / "qwen3_moe")}
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ Two gloo ranks run every scenario of tests/engine/sampler_tensor_parallel_scenar
 (rank 0 in this process, rank 1 a child started with the engine's LocalRanks); the single-rank reference
 runs the same scenarios here, and its float64 twin measures the reference's rounding
 (tests/model/rounding.py). The ranks gather the same full-vocabulary logits, whose only difference from
-one rank's is the order in which the row-parallel layers' partial sums are added, so the default bound
-(4 × the reference's measured rounding error + 1 fp32 ulp per element, rounding.py says why) applies.
+one rank's is the order in which the row-parallel layers' and the experts' partial sums are added, so the
+default bound (4 × the reference's measured rounding error + 1 fp32 ulp per element, rounding.py says why)
+applies.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.engine.sampler_tensor_parallel_scenarios import (
     run_sampler,
     write_snapshots,
 )
+from tests.model.float64 import float64_experts
 from tests.model.rounding import assert_within_rounding
 from tests.model.test_decoder_parity import save_random_hf_model
 from tests.model.test_tensor_parallel import MODELS, STOP_GRACE_S
@@ -38,8 +40,8 @@ from tests.model.test_tensor_parallel import MODELS, STOP_GRACE_S
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tensor-parallel tests' models (uneven MLP width and vocabulary, biases, tied head), each with
-    its snapshots."""
+    """The tensor-parallel tests' models (uneven MLP width and vocabulary, biases, tied head, experts split
+    over the ranks), each with its snapshots."""
     directories = {}
     for name, config in MODELS.items():
         directories[name] = tmp_path_factory.mktemp("models") / name
@@ -77,10 +79,11 @@ def two_ranks(model_dirs: dict[str, Path]) -> dict[str, list[Run]]:
 @pytest.fixture(scope="module")
 def references(model_dirs: dict[str, Path]) -> dict[str, tuple[Run, Run]]:
     """Per model, the single-rank run and its float64 twin."""
-    return {
-        name: (run_sampler(directory, SINGLE), run_sampler(directory, SINGLE, torch.float64))
-        for name, directory in model_dirs.items()
-    }
+    with float64_experts():
+        return {
+            name: (run_sampler(directory, SINGLE), run_sampler(directory, SINGLE, torch.float64))
+            for name, directory in model_dirs.items()
+        }
 
 
 def assert_scores_within_rounding(got: np.ndarray, want: np.ndarray, exact: np.ndarray, what: str) -> None:

@@ -32,8 +32,11 @@ def float64_copy(model: Module) -> Module:
     return twin
 
 
-def _grouped_mm_any_dtype(a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor) -> Tensor:
-    return (grouped_mm_reference if a_NC.dtype == torch.float64 else grouped_mm)(a_NC, b_GCM, offsets_G)
+def _grouped_mm_any_dtype(
+    a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor, has_ungrouped_rows: bool = False
+) -> Tensor:
+    kernel = grouped_mm_reference if a_NC.dtype == torch.float64 else grouped_mm
+    return kernel(a_NC, b_GCM, offsets_G, has_ungrouped_rows)
 
 
 @contextmanager

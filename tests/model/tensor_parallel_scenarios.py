@@ -5,7 +5,8 @@ LocalRanks). With `SINGLE` the same functions give the single-rank reference, an
 A scenario loads a decoder (this rank's part of it), attaches slots of several ranks, runs a packed batch
 through both logprob paths with a backward, and a prefill and decode steps through the KV cache. Every
 tensor it returns is whole: logprobs are whole on every rank; split gradients and logits are gathered,
-whole-tensor gradients summed over the ranks (`all_reduce_whole_grads`), as the engine will.
+whole-tensor gradients summed over the ranks (`all_reduce_whole_grads`), as the engine will. On an MoE
+model each rank also reports the expert load of its first forward.
 """
 
 from __future__ import annotations
@@ -57,10 +58,19 @@ PARTIAL_KEY = "0/model.layers.0.self_attn.q_proj"
 
 @dataclass
 class ReadCounter:
-    """Tensor bytes a loader read out of safetensors files, and the keys it read whole."""
+    """Tensor bytes a loader read out of safetensors files, by file key, and the keys it read whole."""
 
-    bytes: int = 0
+    by_key: dict[str, int] = field(default_factory=dict)
     whole_keys: set[str] = field(default_factory=set)
+
+    @property
+    def bytes(self) -> int:
+        """Every byte read."""
+        return sum(self.by_key.values())
+
+    def add(self, key: str, tensor: Tensor) -> None:
+        """Count a tensor read out of the file tensor `key` (all of it or a slice)."""
+        self.by_key[key] = self.by_key.get(key, 0) + tensor.nbytes
 
 
 @dataclass
@@ -75,6 +85,7 @@ class ModelRun:
     partial_A: Tensor  # this rank's gradient of PARTIAL_KEY's A before the sum over the ranks
     base_bytes: int  # bytes of this rank's base parameters (a tied weight once)
     read: ReadCounter
+    expert_load: Tensor | None  # (L, E) of the first forward; None for a dense model
 
 
 @contextmanager
@@ -84,15 +95,15 @@ def counting_reads() -> Iterator[ReadCounter]:
     real_open = hf_checkpoint.safe_open
 
     class Slice:
-        def __init__(self, part: Any) -> None:
-            self.part = part
+        def __init__(self, part: Any, key: str) -> None:
+            self.part, self.key = part, key
 
         def get_shape(self) -> list[int]:
             return self.part.get_shape()
 
         def __getitem__(self, index: Any) -> Tensor:
             tensor = self.part[index]
-            counter.bytes += tensor.nbytes
+            counter.add(self.key, tensor)
             return tensor
 
     class File:
@@ -110,11 +121,11 @@ def counting_reads() -> Iterator[ReadCounter]:
             return self.file.keys()
 
         def get_slice(self, key: str) -> Slice:
-            return Slice(self.file.get_slice(key))
+            return Slice(self.file.get_slice(key), key)
 
         def get_tensor(self, key: str) -> Tensor:
             tensor = self.file.get_tensor(key)
-            counter.bytes += tensor.nbytes
+            counter.add(key, tensor)
             counter.whole_keys.add(key)
             return tensor
 
@@ -169,9 +180,10 @@ def run_model(model_dir: Path, tp: TensorParallel, dtype: torch.dtype = torch.fl
         initial = init_slot_weights(targets, rank, seed=10 + slot, groups=SLOT_GROUPS[slot])
         for path, (A, _) in initial.items():
             layer = targets[path][0]
-            sharding = layer.lora_sharding()
+            sharding = layer.lora_sharding(rank)
+            _, whole_B = sharding.whole_shapes(layer.lora_shapes(rank))
             # B non-zero (not its initial zero), so that every A has a gradient to compare.
-            B_OR = 0.1 * torch.randn(layer.out_features, rank, generator=generator)
+            B_OR = 0.1 * torch.randn(whole_B, generator=generator)
             A, B = A.clone().requires_grad_(), part(B_OR, sharding.B).requires_grad_()
             layer.attach(slot, A, B, scale=32.0 / rank)
             slot_tensors[f"{slot}/{path}"] = (sharding, A, B)
@@ -188,6 +200,7 @@ def run_model(model_dir: Path, tp: TensorParallel, dtype: torch.dtype = torch.fl
         hidden_TD = decoder(tokens_T, packing, routing)
         lp_top_k = chunked_token_logprobs(hidden_TD, head_fn, targets_TK, CHUNK, vocab)
         (lp_top_k * weights_TK).sum().backward()
+    expert_load = decoder.expert_load()
     grads_top_k, partial_A = _whole_grads(slot_tensors, tp)
 
     def objective_fn(lp_C: Tensor, start: int, end: int) -> Tensor:
@@ -212,6 +225,7 @@ def run_model(model_dir: Path, tp: TensorParallel, dtype: torch.dtype = torch.fl
         partial_A,
         base_bytes,
         read,
+        expert_load,
     )
 
 
@@ -295,7 +309,14 @@ def run_all(model_dirs: list[Path], tp: TensorParallel) -> dict[str, Any]:
         run = run_model(model_dir, tp)
         per_rank = [None] * tp.size
         # Plain values: rank 1 runs this module as __main__, whose classes rank 0 cannot unpickle.
-        mine = (run.base_bytes, run.read.bytes, run.read.whole_keys, run.lp_top_k)
+        mine = (
+            run.base_bytes,
+            run.read.bytes,
+            run.read.whole_keys,
+            run.lp_top_k,
+            run.read.by_key,
+            run.expert_load,
+        )
         dist.all_gather_object(per_rank, mine, group=tp.group)
         results[model_dir.name] = (run, per_rank)
     return results

@@ -1,6 +1,7 @@
 """The memory plan (model/memory_plan.py): at T = 1 it counts exactly what the decoder and the KV cache
 allocate, the published shapes give the published parameter totals, and at T > 1 each rank holds what
-the sharding rules give it, written out by hand for one dense and one MoE model."""
+the sharding rules give it, written out by hand for one dense and one MoE model, and what each rank's
+decoder allocates for an MoE model whose splits are all even."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from loraplex.model.memory_plan import (
     plan_rank,
 )
 from loraplex.model.presets import PUBLISHED, QWEN3
+from loraplex.model.tensor_parallel import TensorParallel
 
 # The totals the model cards publish, in parameters.
 PUBLISHED_TOTALS = {
@@ -76,11 +78,26 @@ def test_at_one_rank_the_plan_counts_what_the_decoder_allocates(name: str) -> No
     plan = plan_rank(config, 1, 2, LoraSpec(8), slots=1, kv_tokens=0)
     held = sum(t.nbytes for t in (*decoder.parameters(), *decoder.buffers()))
     assert plan.base == held
+    _assert_lora_counted(config, decoder, 1)
+    assert set(LORA_GROUP_NAMES) == set(LORA_GROUPS.values())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_at_two_ranks_the_plan_counts_what_each_rank_of_an_moe_decoder_allocates(rank: int) -> None:
+    """smoke-moe splits evenly at T = 2 (4 heads, 2 KV heads, 8 experts, 128 MLP columns, 512 vocabulary
+    rows), so every rank holds what the plan states for one: 4 experts, the router whole."""
+    config = config_of("smoke-moe")
+    decoder = Decoder(config, device="meta", dtype=torch.bfloat16, tp=TensorParallel(None, rank, 2))
+    assert base_parameters(config, 2) == sum(p.numel() for p in decoder.parameters())
+    _assert_lora_counted(config, decoder, 2)
+
+
+def _assert_lora_counted(config: DecoderConfig, decoder: Decoder, tp: int) -> None:
+    """The plan's LoRA parameters of one rank-8 slot per target group are what the decoder's layers take."""
     targets = decoder.lora_targets().values()
     for groups in ({"attn"}, {"mlp"}, {"unembed"}, set(LORA_GROUP_NAMES)):
         shapes = [shape for layer, group in targets if group in groups for shape in layer.lora_shapes(8)]
-        assert lora_parameters(config, 1, LoraSpec(8, frozenset(groups))) == sum(map(math.prod, shapes))
-    assert set(LORA_GROUP_NAMES) == set(LORA_GROUPS.values())
+        assert lora_parameters(config, tp, LoraSpec(8, frozenset(groups))) == sum(map(math.prod, shapes))
 
 
 @pytest.mark.parametrize("name", ["Qwen3-8B", "Qwen3-30B-A3B", "smoke-moe"])

@@ -174,10 +174,14 @@ def test_config_reads_moe_fields_under_either_name_with_hf_defaults() -> None:
 
 
 @pytest.mark.parametrize("columns", [(16, 12), (5, 3)], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("offsets", [[2, 5, 5, 10], [0, 0, 10, 10], [10, 10, 10, 10]])
+# The last two leave rows 7..9 and all 10 rows in no group (other ranks' experts' rows): zero, no gradient.
+@pytest.mark.parametrize(
+    "offsets", [[2, 5, 5, 10], [0, 0, 10, 10], [10, 10, 10, 10], [2, 5, 5, 7], [0, 0, 0, 0]]
+)
 def test_grouped_mm_equals_its_loop_in_values_and_gradients(
     columns: tuple[int, int], offsets: list[int]
 ) -> None:
+    has_ungrouped_rows = offsets[-1] < 10
     torch.manual_seed(0)
     contraction, out = columns
     a = torch.randn(10, contraction, requires_grad=True)
@@ -186,7 +190,7 @@ def test_grouped_mm_equals_its_loop_in_values_and_gradients(
     weight_NM = torch.randn(10, out)
 
     def run(fn, a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
-        y = fn(a, b.transpose(1, 2), offsets_G)
+        y = fn(a, b.transpose(1, 2), offsets_G, has_ungrouped_rows)
         return [y.detach(), *torch.autograd.grad((y * weight_NM).sum(), (a, b))]
 
     a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
@@ -194,6 +198,8 @@ def test_grouped_mm_equals_its_loop_in_values_and_gradients(
     exact = run(grouped_mm_reference, a64, b64)
     for name, *values in zip(("out", "grad a", "grad b"), fused, reference, exact, strict=True):
         assert_within_rounding(*values, name)
+    out, grad_a, _ = fused
+    assert not out[offsets[-1] :].any() and not grad_a[offsets[-1] :].any()
 
 
 # A base-only run, a slot appearing in two segments, an unattached slot, three ranks (1 and 3 are not

@@ -1,10 +1,12 @@
-"""Tensor parallelism of the dense base: two ranks compute what one computes, each holding and reading about
-half of the model, and one rank runs exactly the single-rank path.
+"""Tensor parallelism of the base, dense and MoE (experts split whole: expert parallelism): two ranks
+compute what one computes, each holding and reading about half of the model, and one rank runs exactly the
+single-rank path.
 
 Two gloo ranks run every scenario of tests/model/tensor_parallel_scenarios.py once per module (rank 0 in
 this process, rank 1 a child started with the engine's LocalRanks); the single-rank reference runs the
 same scenarios here, and its float64 twin measures the reference's rounding (tests/model/rounding.py): two
-ranks sum the row-parallel layers' and the softmax's partial sums in another order, nothing more.
+ranks sum the row-parallel layers', the experts' and the softmax's partial sums in another order, nothing
+more.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder, read_config
+from loraplex.model.moe import ExpertLinear
 from loraplex.model.multi_lora import init_slot_weights
-from loraplex.model.tensor_parallel import SINGLE, TensorParallel
+from loraplex.model.tensor_parallel import SINGLE, Split, TensorParallel
+from tests.model.float64 import float64_experts
 from tests.model.rounding import assert_within_rounding, rounding_bound, to_numpy
 from tests.model.tensor_parallel_scenarios import (
+    LENGTHS,
     PARTIAL_KEY,
     TIMEOUT_S,
     HeadRun,
@@ -55,7 +60,23 @@ MODELS = {
     "qwen3_tied_odd_vocab": lambda: Qwen3Config(
         **SHAPES, intermediate_size=96, vocab_size=131, head_dim=32, tie_word_embeddings=True
     ),
+    # A sparse layer of 6 experts (3 a rank, so rank 1's start at 3), top-2, renormalised; a dense layer.
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SHAPES,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=NUM_EXPERTS,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        vocab_size=128,
+        tie_word_embeddings=False,
+    ),
 }
+NUM_EXPERTS = 6
+# A per-expert checkpoint key, with its expert's index.
+EXPERT_KEY = re.compile(r".+\.mlp\.experts\.(?P<expert>\d+)\..+")
 # Per rank, at most this share of the whole model's base bytes (and of what loading it reads): half of
 # every split weight, plus the norms every rank holds whole.
 MAX_SHARE = 0.55
@@ -100,10 +121,11 @@ def two_ranks(model_dirs: dict[str, Path]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def references(model_dirs: dict[str, Path]) -> dict[str, tuple[ModelRun, ModelRun]]:
     """Per model, the single-rank run and its float64 twin."""
-    return {
-        name: (run_model(directory, SINGLE), run_model(directory, SINGLE, torch.float64))
-        for name, directory in model_dirs.items()
-    }
+    with float64_experts():
+        return {
+            name: (run_model(directory, SINGLE), run_model(directory, SINGLE, torch.float64))
+            for name, directory in model_dirs.items()
+        }
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -168,14 +190,39 @@ def test_each_rank_holds_and_reads_about_half_the_base_and_no_whole_split_weight
     whole = references[model][0]
     config = read_config(model_dirs[model])
     splits = Decoder(config, "meta", tp=TensorParallel(None, 0, 2)).parameter_splits()
-    for rank, (base_bytes, read_bytes, whole_keys, _) in enumerate(two_ranks[model][1]):
+    for rank, (base_bytes, read_bytes, whole_keys, *_) in enumerate(two_ranks[model][1]):
         assert base_bytes <= MAX_SHARE * whole.base_bytes, f"rank {rank} holds {base_bytes} bytes"
         assert read_bytes <= MAX_SHARE * whole.read.bytes, f"rank {rank} read {read_bytes} bytes"
         assert not whole_keys & splits.keys(), f"rank {rank} read split tensors whole"
     assert "model.embed_tokens.weight" in whole.read.whole_keys  # the count does see whole reads
 
 
-def test_one_rank_runs_the_single_rank_path_bit_for_bit(model_dirs, references, monkeypatch) -> None:
+def test_each_rank_reads_its_own_experts_tensors_and_no_other(two_ranks, references) -> None:
+    """Each rank of two reads the per-expert tensors of its 3 experts whole, half the experts' bytes, and
+    not one key of the other rank's experts."""
+    whole_read = references["qwen3_moe"][0].read.by_key
+    expert_bytes = sum(n for key, n in whole_read.items() if EXPERT_KEY.fullmatch(key))
+    held = NUM_EXPERTS // 2
+    for rank, (*_, by_key, _) in enumerate(two_ranks["qwen3_moe"][1]):
+        experts_read = {key: n for key, n in by_key.items() if EXPERT_KEY.fullmatch(key)}
+        own = {
+            key for key in whole_read if (m := EXPERT_KEY.fullmatch(key)) and int(m["expert"]) // held == rank
+        }
+        assert experts_read.keys() == own, f"rank {rank} read {sorted(experts_read.keys() - own)}"
+        assert 2 * sum(experts_read.values()) == expert_bytes
+
+
+def test_both_ranks_report_the_single_rank_expert_load_of_every_expert(two_ranks, references) -> None:
+    want = references["qwen3_moe"][0].expert_load
+    assert want is not None and want.shape == (1, NUM_EXPERTS) and want.sum() == 2 * sum(LENGTHS)
+    for rank, (*_, load) in enumerate(two_ranks["qwen3_moe"][1]):
+        assert torch.equal(load, want), f"rank {rank}: {load} != {want}"
+
+
+@pytest.mark.parametrize("model", ["qwen3_tied_odd_vocab", "qwen3_moe"])
+def test_one_rank_runs_the_single_rank_path_bit_for_bit(
+    model: str, model_dirs, references, monkeypatch
+) -> None:
     """A TensorParallel of one rank is the decoder built without one: the same logprobs and gradients,
     bit for bit, and no collective at all."""
 
@@ -184,7 +231,6 @@ def test_one_rank_runs_the_single_rank_path_bit_for_bit(model_dirs, references, 
 
     for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast"):
         monkeypatch.setattr(dist, name, no_collective)
-    model = "qwen3_tied_odd_vocab"
     directory = model_dirs[model]
     one_rank = run_model(directory, TensorParallel(group=None, rank=0, size=1))
     default = references[model][0]
@@ -237,16 +283,19 @@ def test_a_rank_holds_its_heads_width_and_vocabulary_rows_and_every_norm_whole()
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_slots_initial_parts_on_each_rank_are_those_of_the_single_rank_slot(rank: int) -> None:
-    config = DecoderConfig.from_hf(
-        {"architectures": ["LlamaForCausalLM"], **SHAPES, "intermediate_size": 95, "vocab_size": 127}
-    )
+@pytest.mark.parametrize("model", ["llama_biases_uneven_width", "qwen3_moe"])
+def test_a_slots_initial_parts_on_each_rank_are_those_of_the_single_rank_slot(model: str, rank: int) -> None:
+    config = DecoderConfig.from_hf(MODELS[model]().to_dict())
     single = init_slot_weights(Decoder(config, "meta").lora_targets(), 4, 9, {"attn", "mlp", "unembed"})
     targets = Decoder(config, "meta", tp=TensorParallel(None, rank, 2)).lora_targets()
     parts = init_slot_weights(targets, 4, 9, {"attn", "mlp", "unembed"})
     for path, (A, B) in parts.items():
-        sharding = targets[path][0].lora_sharding()
-        assert (sharding.A is None) != (sharding.B is None), path  # exactly one of them is split
+        sharding = targets[path][0].lora_sharding(4)
+        if isinstance(targets[path][0], ExpertLinear):  # both: this rank's experts' rank blocks
+            held = Split(0, rank * 3 * 4, (rank + 1) * 3 * 4, NUM_EXPERTS * 4)
+            assert sharding == (held, held._replace(dim=1)), path
+        else:
+            assert (sharding.A is None) != (sharding.B is None), path  # exactly one of them is split
         whole_A, whole_B = single[path]
         assert torch.equal(A, whole_A if sharding.A is None else sharding.A.of(whole_A)), path
         assert torch.equal(B, whole_B if sharding.B is None else sharding.B.of(whole_B)), path
@@ -263,21 +312,13 @@ def test_ranks_that_do_not_divide_the_heads_are_refused_naming_both_head_counts(
         load_decoder(tmp_path, tp=TensorParallel(None, 0, 3))
 
 
-def test_an_moe_model_under_tensor_parallelism_is_refused_naming_the_step_that_brings_it(
-    tmp_path: Path,
-) -> None:
-    config = Qwen3MoeConfig(
-        **SHAPES,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=128,
-    )
+def test_ranks_that_do_not_divide_the_experts_are_refused_naming_both_counts(tmp_path: Path) -> None:
+    config = MODELS["qwen3_moe"]()
+    config.num_key_value_heads = 4  # so that 4 ranks divide both head counts
     (tmp_path / "config.json").write_text(config.to_json_string())
     message = (
-        r"tensor parallelism of MoE layers needs expert parallelism \(issue 26 step 3\); "
-        rf"use --tp 1 for {re.escape(str(tmp_path))}$"
+        rf"--tp 4 does not divide num_experts=6 of {re.escape(str(tmp_path))}: each rank holds "
+        r"num_experts / --tp whole experts; use a --tp that divides 6$"
     )
     with pytest.raises(ModelLoadError, match=message):
-        load_decoder(tmp_path, tp=TensorParallel(None, 0, 2))
+        load_decoder(tmp_path, tp=TensorParallel(None, 0, 4))

@@ -146,9 +146,8 @@ class SlotPool:
         shapes: dict[str, tuple[int, ...]] = {}
         for path, (layer, group) in self.targets.items():
             if group in groups:
-                parts = layer.lora_shapes(rank)
-                for name, split, shape in zip(lora_names(path), layer.lora_sharding(), parts, strict=True):
-                    shapes[name] = shape if split is None else split.full_shape(shape)
+                whole = layer.lora_sharding(rank).whole_shapes(layer.lora_shapes(rank))
+                shapes.update(zip(lora_names(path), whole, strict=True))
         return shapes
 
     def create(self, config: LoraConfig) -> int:
@@ -166,7 +165,7 @@ class SlotPool:
             (name, tensor, split)
             for path, pair in initial.items()
             for name, tensor, split in zip(
-                lora_names(path), pair, self.targets[path][0].lora_sharding(), strict=True
+                lora_names(path), pair, self.targets[path][0].lora_sharding(config.rank), strict=True
             )
         ]
         tensors.sort(key=lambda entry: entry[2] is not None)  # stable: whole ones first, else in order

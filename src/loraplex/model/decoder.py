@@ -18,7 +18,8 @@ Two forwards share every block: `forward` over a packed batch of whole sequences
 over new tokens that extend sequences held in a KV cache (prefill, then one token per decode step).
 Under tensor parallelism (a `TensorParallel` of several ranks, tensor_parallel.py) each rank holds a part
 of every block: attention by heads (N/T query and K/T kv heads; the per-head q/k norms whole), the dense
-MLP by its width, the embedding and lm_head by vocabulary rows; everything else is whole on every rank.
+MLP by its width, an MoE layer's experts E/T whole experts a rank (its router whole: moe.py), the embedding
+and lm_head by vocabulary rows; everything else is whole on every rank.
 Hidden states are whole on every rank, and `lm_head` gives this rank's vocabulary rows of the logits.
 Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
 
@@ -176,7 +177,9 @@ class Block(nn.Module):
         self.self_attn = Attention(config, tp, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp: MLP | SparseMoE = (
-            SparseMoE(config, device, dtype) if config.is_moe_layer(layer) else MLP(config, tp, device, dtype)
+            SparseMoE(config, device, dtype, tp)
+            if config.is_moe_layer(layer)
+            else MLP(config, tp, device, dtype)
         )
 
     def forward(
@@ -281,7 +284,7 @@ class Decoder(nn.Module):
         return {
             f"{name}.{parameter}": split
             for name, module in self.named_modules()
-            if isinstance(module, MultiLoRALinear | Embedding)
+            if isinstance(module, MultiLoRALinear | Embedding | ExpertLinear)
             for parameter, split in module.parameter_splits().items()
         }
 
@@ -296,7 +299,8 @@ class Decoder(nn.Module):
 
     def expert_load(self) -> Tensor | None:
         """(L, E) rows each MoE layer routed to each expert in the last forward (tokens × experts per
-        token in all); None for a dense model or before the first forward."""
+        token in all); None for a dense model or before the first forward. Under expert parallelism every
+        rank has every expert's: each routes every token itself (no collective)."""
         loads = [block.mlp.load_E for block in self.model.layers if isinstance(block.mlp, SparseMoE)]
         if not loads or any(load is None for load in loads):
             return None

@@ -4,8 +4,10 @@
 torch loops over the groups in C++) inside one autograd node whose backward is two more grouped
 matmuls. The kernel accepts only operands whose last two dims have one unit stride and the other a
 multiple of 16 bytes, at a 16-byte aligned address (and its own backward does not make gradients fit);
-an operand that does not fit is copied into a padded buffer that does. `grouped_mm_reference` is the
-plain loop it must equal. Knows nothing of experts, slots or routing.
+an operand that does not fit is copied into a padded buffer that does. The groups may leave the last
+rows out (`has_ungrouped_rows`: under expert parallelism, the rows of other ranks' experts), which torch
+leaves unwritten and we zero, in the result and in a's gradient, without reading the offsets on the host.
+`grouped_mm_reference` is the plain loop it must equal. Knows nothing of experts, slots or routing.
 
 Shapes: N rows, C contraction, M output columns, G groups.
 """
@@ -20,27 +22,32 @@ from torch import Tensor
 _ALIGN_BYTES = 16
 
 
-def grouped_mm(a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor) -> Tensor:
+def grouped_mm(a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor, has_ungrouped_rows: bool = False) -> Tensor:
     """Row block g of `a` times `b[g]` for every group; block g is rows [offsets[g-1], offsets[g]).
 
-    `offsets_G` is int32, non-decreasing, on a's device, and its last entry is N (every row in a group).
+    `offsets_G` is int32, non-decreasing, on a's device, and its last entry is N (every row in a group),
+    or at most N with `has_ungrouped_rows`, whose rows past it come out zero (and pass no gradient).
     The result may have padded row strides (as torch allocates it), not always a contiguous layout.
 
     Semantics (`grouped_mm_reference` runs exactly this loop):
-        out = empty(N, M); start = 0
+        out = zeros(N, M); start = 0
         for g in range(G):
             out[start:offsets[g]] = a[start:offsets[g]] @ b[g]
             start = offsets[g]
     """
-    return _GroupedMM.apply(a_NC, b_GCM, offsets_G)
+    return _GroupedMM.apply(a_NC, b_GCM, offsets_G, has_ungrouped_rows)
 
 
-def grouped_mm_reference(a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor) -> Tensor:
+def grouped_mm_reference(
+    a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor, has_ungrouped_rows: bool = False
+) -> Tensor:
     """Plain loop over the groups that `grouped_mm` must equal; for tests."""
     blocks, start = [], 0
     for group, end in enumerate(offsets_G.tolist()):
         blocks.append(a_NC[start:end] @ b_GCM[group])
         start = end
+    if has_ungrouped_rows:
+        blocks.append(a_NC.new_zeros(a_NC.shape[0] - start, b_GCM.shape[2]))
     return torch.cat(blocks)
 
 
@@ -48,21 +55,33 @@ class _GroupedMM(torch.autograd.Function):
     """out = grouped a·b; grad_a = grouped grad·bᵀ; grad_b[g] = a[block g]ᵀ · grad[block g]."""
 
     @staticmethod
-    def forward(ctx: Any, a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor) -> Tensor:
+    def forward(ctx: Any, a_NC: Tensor, b_GCM: Tensor, offsets_G: Tensor, has_ungrouped_rows: bool) -> Tensor:
         ctx.save_for_backward(a_NC, b_GCM, offsets_G)
-        return torch._grouped_mm(_fitted(a_NC), _fitted(b_GCM), offs=offsets_G)
+        ctx.has_ungrouped_rows = has_ungrouped_rows
+        out = torch._grouped_mm(_fitted(a_NC), _fitted(b_GCM), offs=offsets_G)
+        return _zero_ungrouped_rows_(out, offsets_G) if has_ungrouped_rows else out
 
     @staticmethod
-    def backward(ctx: Any, grad_NM: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad_NM: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
         a_NC, b_GCM, offsets_G = ctx.saved_tensors
         grad = _fitted(grad_NM)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_a = torch._grouped_mm(grad, _fitted(b_GCM.transpose(1, 2)), offs=offsets_G)
+            if ctx.has_ungrouped_rows:
+                _zero_ungrouped_rows_(grad_a, offsets_G)
         if ctx.needs_input_grad[1]:
-            # 2-D x 2-D with offsets: the contraction runs over each group's rows, one (C, M) per group.
+            # 2-D x 2-D with offsets: the contraction runs over each group's rows, one (C, M) per group
+            # (ungrouped rows take no part in it).
             grad_b = torch._grouped_mm(_fitted(a_NC.t()), grad, offs=offsets_G)
-        return grad_a, grad_b, None
+        return grad_a, grad_b, None, None
+
+
+def _zero_ungrouped_rows_(out_NM: Tensor, offsets_G: Tensor) -> Tensor:
+    """Zero, in place, the rows past the last group, which torch leaves unwritten: by a mask, as slicing
+    them off would read the offset on the host."""
+    is_ungrouped_N = torch.arange(out_NM.shape[0], device=out_NM.device) >= offsets_G[-1]
+    return out_NM.masked_fill_(is_ungrouped_N[:, None], 0.0)
 
 
 def _fitted(matrix: Tensor) -> Tensor:

@@ -6,7 +6,8 @@ and the hub write them, or transformers' fused in-memory (E, 2F, D) gate_up_proj
 down_proj, each filling our one stacked (E, O, I) tensor per projection. One loop applies the table.
 Every key is checked before any tensor is read: a shape mismatch names the key and both shapes;
 missing and unexpected keys are listed. Under tensor parallelism each rank reads only its part of every
-split tensor (a safetensors slice), so no rank ever holds a whole split weight, in host memory either.
+split tensor (a safetensors slice), so no rank ever holds a whole split weight, in host memory either; of
+an MoE layer's experts, only its own experts' tensors (another rank's per-expert keys are never read).
 Also the digest that identifies a base model's weights, and
 `to_hf_layout`, which lays out a Decoder's state the way HF checkpoints store it.
 Knows nothing of slots, runs or the engine; writes nothing to disk.
@@ -100,9 +101,10 @@ def load_decoder(
                 for key in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
                     file_shape = tuple(f.get_slice(key).get_shape())
                     for piece in _pieces(key, file_shape):
-                        if piece.key in tensors:
-                            source = _read(f, key, piece, splits.get(piece.key))
-                            _target(tensors[piece.key], piece).copy_(source)
+                        split = splits.get(piece.key)
+                        target = _target(tensors[piece.key], piece, split) if piece.key in tensors else None
+                        if target is not None:  # None: another rank's expert, left in the file
+                            target.copy_(_read(f, key, piece, split))
         if has_tied_alias:
             _check_tied_alias(files, tensors[_TIED_TARGET], splits.get(_TIED_TARGET))
     return decoder
@@ -160,9 +162,13 @@ def _pieces(key: str, file_shape: tuple[int, ...]) -> list[_Piece]:
     return [_Piece(key, None, None)]
 
 
-def _target(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
-    """The part of a Decoder tensor a piece fills."""
-    return tensor if piece.expert is None else tensor[piece.expert]
+def _target(tensor: torch.Tensor, piece: _Piece, split: Split | None) -> torch.Tensor | None:
+    """The part of this rank's Decoder tensor a piece fills; None for one expert this rank does not hold
+    (a stacked expert tensor is split by whole experts, `split` its rows)."""
+    if piece.expert is None:
+        return tensor
+    row = piece.expert if split is None else piece.expert - split.start
+    return tensor[row] if 0 <= row < tensor.shape[0] else None
 
 
 def _source(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
@@ -172,11 +178,14 @@ def _source(tensor: torch.Tensor, piece: _Piece) -> torch.Tensor:
 
 def _read(f: Any, key: str, piece: _Piece, split: Split | None) -> torch.Tensor:
     """What a piece takes of an open file's tensor `key`; of a tensor split over tensor-parallel ranks, only
-    this rank's part, read as a slice so that no other bytes leave the file. (Expert pieces are never
-    split: MoE models are refused under tensor parallelism.)"""
-    if split is None:
+    this rank's part, read as a slice so that no other bytes leave the file. One expert's tensor is read
+    whole: it is the expert's, and only the rank that holds the expert reads it (`_target`)."""
+    if split is None or piece.expert is not None:
         return _source(f.get_tensor(key), piece)
-    return f.get_slice(key)[split.index()]
+    index = split.index()
+    if piece.columns is not None:  # a fused gate_up_proj's half (dim 1) of this rank's experts (dim 0)
+        index = (*index, piece.columns)
+    return f.get_slice(key)[index]
 
 
 def _check_keys_and_shapes(
@@ -184,6 +193,10 @@ def _check_keys_and_shapes(
 ) -> bool:
     """Raise listing every missing, unexpected or misshapen key (against the whole model's shapes, of
     which `splits` names this rank's parts); return whether a tied lm_head is stored."""
+    whole = {
+        key: splits[key].full_shape(tuple(t.shape)) if key in splits else tuple(t.shape)
+        for key, t in expected.items()
+    }
     filled: dict[str, set[int | None]] = {}  # Decoder key -> expert rows filled (None: all of it)
     unexpected: list[str] = []
     mismatched: list[str] = []
@@ -197,19 +210,17 @@ def _check_keys_and_shapes(
                 is_alias = is_tied and key == _TIED_ALIAS
                 has_tied_alias |= is_alias
                 pieces = [_Piece(_TIED_TARGET, None, None)] if is_alias else _pieces(key, file_shape)
-                if not all(_fits_model(piece, expected) for piece in pieces):
+                if not all(_fits_model(piece, whole) for piece in pieces):
                     unexpected.append(key)
                     continue
                 for piece in pieces:
                     if not is_alias:  # the alias is checked against the embedding, it does not fill it
                         filled.setdefault(piece.key, set()).add(piece.expert)
-                    model_shape = tuple(_target(expected[piece.key], piece).shape)
-                    if piece.key in splits:
-                        model_shape = splits[piece.key].full_shape(model_shape)
+                    model_shape = whole[piece.key] if piece.expert is None else whole[piece.key][1:]
                     shape = _part_shape(file_shape, piece)
                     if shape != model_shape:
                         mismatched.append(f"{key}: checkpoint {shape} vs model {model_shape}")
-    missing = [_describe_missing(key, filled.get(key, set()), expected[key]) for key in sorted(expected)]
+    missing = [_describe_missing(key, filled.get(key, set()), whole[key]) for key in sorted(whole)]
     missing = [description for description in missing if description]
     problems = [
         *(["shape mismatch: " + "; ".join(mismatched)] if mismatched else []),
@@ -223,10 +234,11 @@ def _check_keys_and_shapes(
     return has_tied_alias
 
 
-def _fits_model(piece: _Piece, expected: dict[str, torch.Tensor]) -> bool:
-    """Whether a piece names a Decoder tensor (and, for one expert's weight, an expert it has)."""
-    tensor = expected.get(piece.key)
-    return tensor is not None and (piece.expert is None or 0 <= piece.expert < tensor.shape[0])
+def _fits_model(piece: _Piece, whole: dict[str, tuple[int, ...]]) -> bool:
+    """Whether a piece names a Decoder tensor (and, for one expert's weight, an expert the model has),
+    given the whole model's shapes."""
+    shape = whole.get(piece.key)
+    return shape is not None and (piece.expert is None or 0 <= piece.expert < shape[0])
 
 
 def _part_shape(file_shape: tuple[int, ...], piece: _Piece) -> tuple[int, ...]:
@@ -236,17 +248,18 @@ def _part_shape(file_shape: tuple[int, ...], piece: _Piece) -> tuple[int, ...]:
     return (file_shape[0], len(range(file_shape[1])[piece.columns]), *file_shape[2:])
 
 
-def _describe_missing(key: str, filled: set[int | None], tensor: torch.Tensor) -> str | None:
-    """None if a Decoder tensor is wholly filled; else what is missing, named as HF names it."""
+def _describe_missing(key: str, filled: set[int | None], shape: tuple[int, ...]) -> str | None:
+    """None if a Decoder tensor of the whole model's `shape` is wholly filled; else what is missing, named
+    as HF names it."""
     if None in filled:
         return None
     stacked = _STACKED.fullmatch(key)
     if stacked is None:
         return key
-    absent = sorted(set(range(tensor.shape[0])) - filled)
+    absent = sorted(set(range(shape[0])) - filled)
     if not absent:
         return None
-    experts = f"0..{absent[-1]}" if len(absent) == tensor.shape[0] else str(absent)
+    experts = f"0..{absent[-1]}" if len(absent) == shape[0] else str(absent)
     return f"{stacked['experts']}.N.{stacked['proj']}.weight for N in {experts}"
 
 

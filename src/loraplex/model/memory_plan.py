@@ -2,7 +2,7 @@
 their optimizer state and the KV cache that one rank holds when a model is trained on N ranks in N/T
 data-parallel groups of T tensor-parallel ranks. Arithmetic over a DecoderConfig: no tensor is allocated.
 
-Sharding rules (the tensor-parallel layout planned for the engine; today's engine runs T = 1):
+Sharding rules (the tensor-parallel layout the engine runs: model/tensor_parallel.py, model/moe.py):
 - attention by heads: q/k/v column-parallel (N/T query heads, K/T KV heads a rank), o_proj row-parallel.
   T must divide both head counts: KV heads are never replicated.
 - a dense MLP by its width: gate/up column-parallel, down row-parallel; ceil(F/T) columns on the
@@ -20,7 +20,8 @@ A slot holds what the engine allocates for it (engine/optimizer.py: AdamSlot; en
   fp32 AdamW moments, and the pass undo buffer's fp32 copy of its gradients. That buffer holds the
   accumulators a pass trains that already hold gradients and keeps its largest size, so the plan counts
   one copy of every slot's: a pass of all slots during gradient accumulation.
-tests/engine/test_parameter_bytes.py checks base, adapter and optimizer against a live engine at T = 1.
+tests/engine/test_parameter_bytes.py checks base, adapter and optimizer against a live engine at T = 1;
+tests/model/test_memory_plan.py the base and LoRA of each rank of an MoE decoder at T = 2.
 
 Not planned here: activations, which a pass's --pass-token-budget bounds rather than the model (hence the
 headroom of `fits`), the sampler's resident snapshots, the CUDA context and the allocator's slack.

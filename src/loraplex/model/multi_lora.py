@@ -418,9 +418,9 @@ class MultiLoRALinear(nn.Module):
         rows, columns = self.weight.shape
         return (rank, columns), (rows, rank)
 
-    def lora_sharding(self) -> LoRASharding:
+    def lora_sharding(self, rank: int) -> LoRASharding:
         """Which of a slot's A and B this rank holds only part of: B by output rows on a column-parallel
-        layer, A by input columns on a row-parallel one; the other is whole."""
+        layer, A by input columns on a row-parallel one; the other is whole (at any slot rank `rank`)."""
         if self.split is None:
             return WHOLE
         return LoRASharding(self.split, None) if self._is_partial else LoRASharding(None, self.split)
@@ -458,7 +458,8 @@ class MultiLoRALinear(nn.Module):
 class LoRATarget(Protocol):
     """What the slot pool and the snapshot cache need of a layer that slots attach to (MultiLoRALinear,
     moe.ExpertLinear): a frozen `weight`, its feature sizes, the slot tensors' shapes and how they are
-    split over tensor-parallel ranks, attach / detach."""
+    split over tensor-parallel ranks (which may depend on the slot's rank: an expert layer's rank blocks),
+    attach / detach."""
 
     in_features: int
     out_features: int
@@ -466,7 +467,7 @@ class LoRATarget(Protocol):
 
     def lora_shapes(self, rank: int) -> tuple[tuple[int, int], tuple[int, int]]: ...
 
-    def lora_sharding(self) -> LoRASharding: ...
+    def lora_sharding(self, rank: int) -> LoRASharding: ...
 
     def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None: ...
 
@@ -503,8 +504,9 @@ def init_slot_weights(
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, (layer, group) in targets.items():
-        (rows, _), _ = layer.lora_shapes(rank)
+        sharding = layer.lora_sharding(rank)
+        (rows, _), _ = sharding.whole_shapes(layer.lora_shapes(rank))
         pair = init_lora_pair(layer.in_features, layer.out_features, rows, generator)
         if group in groups:
-            weights[name] = layer.lora_sharding().of(*pair)
+            weights[name] = sharding.of(*pair)
     return weights

@@ -5,12 +5,15 @@ A column-parallel layer (q/k/v_proj by heads, gate/up_proj by MLP width, lm_head
 range of its output rows; its input must enter through `copy_to_tp`, whose backward sums the input's
 gradient over the ranks. A row-parallel layer (o_proj, down_proj) holds the matching range of its input
 columns, and `reduce_from_tp` sums the ranks' partial outputs. The embedding holds a range of vocabulary
-rows (`vocab_parallel_embedding`). With one rank (`SINGLE`) nothing is split and every function here
-returns its input untouched: the single-rank path runs exactly the ops it ran before TP existed.
+rows (`vocab_parallel_embedding`). An MoE layer's experts are split whole, E/T consecutive experts a
+rank (expert parallelism inside the group, moe.py); its router is whole. With one rank (`SINGLE`) nothing
+is split and every function here returns its input untouched: the single-rank path runs exactly the ops
+it ran before TP existed.
 
 LoRA follows the base layer, as vLLM and Megatron do: on a column-parallel layer A is whole and B split by
 output rows; on a row-parallel one A is split by input columns and B whole, its partial product summed in
-the same all-reduce as the base's. `LoRASharding` says which; the one rule for the optimizer and clipping:
+the same all-reduce as the base's; on an expert layer both follow the experts (A's rows and B's columns
+of this rank's experts' rank blocks). `LoRASharding` says which; the one rule for the optimizer and clipping:
 a slot tensor every rank holds whole gets only its rank's part of the gradient, and its gradient is
 summed over the ranks after backward (`all_reduce_whole_grads`). Slot ranks are never padded.
 
@@ -83,6 +86,16 @@ class LoRASharding(NamedTuple):
             B_OR if self.B is None else self.B.of(B_OR).contiguous(),
         )
 
+    def whole_shapes(
+        self, parts: tuple[tuple[int, ...], tuple[int, ...]]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The full shapes of A and B, given this rank's parts' (`LoRATarget.lora_shapes`)."""
+        shape_A, shape_B = parts
+        return (
+            shape_A if self.A is None else self.A.full_shape(shape_A),
+            shape_B if self.B is None else self.B.full_shape(shape_B),
+        )
+
 
 WHOLE = LoRASharding(None, None)
 
@@ -140,10 +153,10 @@ def check_shardable(config: DecoderConfig, tp: TensorParallel, model: str) -> No
     """Raise ModelLoadError naming `model` unless its layers can be split over tp's ranks."""
     if not tp.is_parallel:
         return
-    if config.num_experts:
+    if config.num_experts % tp.size:
         raise ModelLoadError(
-            "tensor parallelism of MoE layers needs expert parallelism (issue 26 step 3); "
-            f"use --tp 1 for {model}"
+            f"--tp {tp.size} does not divide num_experts={config.num_experts} of {model}: each rank holds "
+            f"num_experts / --tp whole experts; use a --tp that divides {config.num_experts}"
         )
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, field)
@@ -239,7 +252,10 @@ def all_reduce_whole_grads(layers: Iterable[tuple[LoRASharding, Tensor, Tensor]]
 @torch.no_grad()
 def gather_split(part: Tensor, split: Split | None, tp: TensorParallel) -> Tensor:
     """The full tensor whose `split` part this rank holds, from every rank's part (for checkpoints and
-    snapshots of split slot tensors, and logits: `gather_vocab`); `part` itself when nothing is split."""
+    snapshots of split slot tensors, and logits: `gather_vocab`); `part` itself when nothing is split.
+
+    Every rank's part must be the one `TensorParallel.split` makes: an expert layer's rank blocks are, as T
+    divides E (moe.py `ExpertLinear.lora_sharding`)."""
     if split is None:
         return part
     # all_gather takes equal sizes: every part is padded to the largest (rank 0's), then trimmed.

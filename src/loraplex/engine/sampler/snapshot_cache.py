@@ -106,7 +106,7 @@ class SnapshotCache:
                 )
         for path, (A_RI, B_OR) in snapshot.pairs.items():
             layer = self._targets[path][0]
-            parts = layer.lora_sharding().of(A_RI, B_OR)  # the tensors themselves with one rank
+            parts = layer.lora_sharding(snapshot.rank).of(A_RI, B_OR)  # the tensors themselves with one rank
             A_RI, B_OR = (t.to(self._device, torch.float32) for t in parts)
             layer.attach(snapshot_id, A_RI, B_OR, snapshot.scale)
 
