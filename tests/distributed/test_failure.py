@@ -7,6 +7,7 @@ exits on it: tests/distributed/test_serve.py).
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -95,4 +96,28 @@ def test_under_tensor_parallelism_a_failed_share_fails_the_engine_at_once_naming
         ):
             ranks.engine.run_pass([sft_request(slot, [5, 9, 13], seed=0)])
         assert time.monotonic() - start < 5
+        assert len(ranks.failures) == 1
+
+
+@pytest.mark.parametrize("is_watched", [True, False], ids=["this-machine", "another-machine"])
+def test_under_tensor_parallelism_a_rank_killed_mid_pass_fails_that_pass_within_seconds(
+    tmp_path, is_watched: bool
+) -> None:
+    """Rank 0 computes its half of the pass in the same collectives as rank 1: killed in the middle, rank
+    1 must not leave rank 0 waiting for the collective timeout (60 s here). Whether rank 0 learns it from
+    watching its child or from the collective's broken connection, the pass fails naming the cause."""
+    with start_ranks(tmp_path, tp=2, is_watched=is_watched) as ranks:
+        slot = ranks.engine.create_slot(LoraConfig(rank=4))
+        request = sft_request(slot, [2000] * 8, seed=0)
+        start = time.monotonic()
+        ranks.engine.run_pass([request])
+        pass_s = time.monotonic() - start  # the same pass, undisturbed
+        assert pass_s > 0.2, "the pass is too short to be killed in the middle"
+        killer = threading.Timer(pass_s / 4, ranks.local_ranks.processes[1].kill)
+        killer.start()
+        start = time.monotonic()
+        cause = "engine rank 1 exited with code -9" if is_watched else "an engine rank stopped answering"
+        with pytest.raises(ServerError, match=cause):
+            ranks.engine.run_pass([request])
+        assert time.monotonic() - start < pass_s + 3
         assert len(ranks.failures) == 1

@@ -31,10 +31,10 @@ def _one_thread_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
-def _datums(seed: int) -> list[types.Datum]:
+def _datums(seed: int, lengths: tuple[int, ...] = LENGTHS) -> list[types.Datum]:
     rng = np.random.default_rng(seed)
     datums = []
-    for n in LENGTHS:
+    for n in lengths:
         tokens = rng.integers(0, 256, n + 1)
         inputs = {"target_tokens": tokens[1:].astype(np.int64), "weights": np.ones(n, np.float32)}
         datums.append(
@@ -178,8 +178,9 @@ def _greedy(run: tinker.TrainingClient) -> list[int]:
 
 
 def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_sdk(tmp_path) -> None:
-    """`serve --nproc 2 --tp 2` trains, samples, exports and reports its split as one rank does; killed, it
-    stops with the rank named; its checkpoint then resumes on one rank of the same data dir."""
+    """`serve --nproc 2 --tp 2` trains, samples, exports and reports its split as one rank does; a rank
+    killed in the middle of a pass stops it with the rank named, and the pass's future fails with that
+    cause; its checkpoint then resumes on one rank of the same data dir."""
     server = _server(tmp_path, "data", "--nproc", "2", "--tp", "2")
     try:
         server.start()
@@ -206,6 +207,13 @@ def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_s
         held = _rank_bytes(server, 2, plan.slot.weights)
         assert held == {(rank, kind): v for rank in (0, 1) for kind, v in one_rank.items()}
         assert plan.base <= 0.55 * tiny_plan(server).base
+        # A pass long enough to be killed in (timed undisturbed first), and rank 1 killed a quarter in.
+        long = _datums(7, (2000,) * 4)
+        start = time.monotonic()
+        run.forward_backward(long, "cross_entropy").result()
+        pass_s = time.monotonic() - start
+        in_flight = run.forward_backward(long, "cross_entropy")
+        time.sleep(pass_s / 4)
         (worker,) = _children(server)
         os.kill(worker, signal.SIGKILL)
         assert server.proc is not None and server.proc.wait(timeout=30) == 1
@@ -217,6 +225,9 @@ def test_tensor_parallel_ranks_train_sample_and_resume_on_one_rank_through_the_s
     one = Server(server.data_dir, ["--nproc", "1"], server.port, clients=server.clients)
     try:
         one.start()
+        # The SDK, retrying while no server answered, gets the pass's failure from the restarted one.
+        with pytest.raises(Exception, match="engine rank 1 exited with code -9"):
+            in_flight.result(timeout=60)
         service = client(one)
         resumed = service.create_training_client_from_state_with_optimizer(checkpoint).result()
         np.testing.assert_allclose(_logprobs(resumed), expected, rtol=1e-5, atol=1e-6)

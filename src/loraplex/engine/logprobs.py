@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from loraplex.model.tensor_parallel import VocabShard
+from loraplex.model.tensor_parallel import VocabShard, collective
 
 # head_fn(hidden_CD, start, end) -> logits_CV for packed tokens [start, end); any float dtype.
 HeadFn = Callable[[Tensor, int, int], Tensor]
@@ -50,7 +50,8 @@ def _normalise(logits_CV: Tensor, targets_CK: Tensor, vocab: VocabShard | None) 
     split, group = vocab.split, vocab.tp.group
     with torch.no_grad():
         max_C1 = logits_CV.max(-1, keepdim=True).values
-        dist.all_reduce(max_C1, op=dist.ReduceOp.MAX, group=group)
+        with collective():
+            dist.all_reduce(max_C1, op=dist.ReduceOp.MAX, group=group)
         shifted_CV = logits_CV - max_C1
         index_CK = targets_CK - split.start
         is_local_CK = (index_CK >= 0) & (index_CK < split.size)
@@ -64,7 +65,8 @@ def _normalise(logits_CV: Tensor, targets_CK: Tensor, vocab: VocabShard | None) 
             ),
             dim=-1,
         )
-        dist.all_reduce(sums_CK1, group=group)
+        with collective():
+            dist.all_reduce(sums_CK1, group=group)
         log_sum_C1 = sums_CK1[:, :1].log()
         return _Normalised(shifted_CV.sub_(log_sum_C1), sums_CK1[:, 1:] - log_sum_C1, index_CK, is_local_CK)
 

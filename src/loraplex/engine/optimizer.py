@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loraplex.engine.types import AdamParams
-from loraplex.model.tensor_parallel import SINGLE, TensorParallel
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel, collective
 
 # clip_grad_norm_'s guard in coef = max_norm / (total_norm + eps); kept identical for parity.
 _CLIP_EPS = 1e-6
@@ -185,7 +185,8 @@ def _sharded_grad_norms(slots: Sequence[AdamSlot], tp: TensorParallel) -> Tensor
     split ones' summed over the ranks, in one all-reduce for all slots."""
     whole_S = torch.stack([_sum_of_squares(slot.grads_N[: slot.whole_numel]) for slot in slots])
     split_S = torch.stack([_sum_of_squares(slot.grads_N[slot.whole_numel :]) for slot in slots])
-    dist.all_reduce(split_S, group=tp.group)
+    with collective():
+        dist.all_reduce(split_S, group=tp.group)
     return (whole_S + split_S).sqrt()
 
 

@@ -30,7 +30,8 @@ Shapes: T tokens, D hidden, V this rank's vocabulary rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -98,6 +99,23 @@ class LoRASharding(NamedTuple):
 
 
 WHOLE = LoRASharding(None, None)
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the ranks failed: a peer died, stopped answering past the timeout, or left the group.
+    Told apart from a rank's own failure (out of memory, say), which the backends also raise as
+    RuntimeError, so that rank 0 names its peers, not itself."""
+
+
+@contextmanager
+def collective() -> Iterator[None]:
+    """Raise the collective run inside as CollectiveError if it fails."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        raise CollectiveError(str(error)) from error
 
 
 @dataclass(frozen=True)
@@ -183,7 +201,8 @@ def reduce_from_tp(x: Tensor, tp: TensorParallel) -> Tensor:
         return x
     if torch.is_grad_enabled() and x.requires_grad:
         return _ReduceFromTP.apply(x, tp.group)
-    dist.all_reduce(x, group=tp.group)
+    with collective():
+        dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -197,14 +216,16 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         # A copy: autograd may hand the same gradient tensor to other nodes too.
         summed = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(summed, group=ctx.group)
+        with collective():
+            dist.all_reduce(summed, group=ctx.group)
         return summed, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        dist.all_reduce(x, group=group)
+        with collective():
+            dist.all_reduce(x, group=group)
         ctx.mark_dirty(x)
         return x
 
@@ -244,7 +265,8 @@ def all_reduce_whole_grads(layers: Iterable[tuple[LoRASharding, Tensor, Tensor]]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=tp.group)
+    with collective():
+        dist.all_reduce(flat, group=tp.group)
     for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(summed)
 
@@ -265,7 +287,8 @@ def gather_split(part: Tensor, split: Split | None, tp: TensorParallel) -> Tenso
     padded = part.new_zeros(shape)
     padded.narrow(split.dim, 0, split.size).copy_(part)
     parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=tp.group)
+    with collective():
+        dist.all_gather(parts, padded, group=tp.group)
     return torch.cat([p.narrow(split.dim, 0, n) for p, n in zip(parts, sizes, strict=True)], dim=split.dim)
 
 

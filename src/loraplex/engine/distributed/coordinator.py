@@ -67,6 +67,7 @@ from loraplex.engine.types import (
     SampleResult,
 )
 from loraplex.errors import NotFoundError, ServerError, UserError
+from loraplex.model.tensor_parallel import CollectiveError
 
 log = logging.getLogger(__name__)
 
@@ -332,9 +333,10 @@ class DistributedEngine(Engine):
             stage = "exchange"
             gathered = gather_replies(self._group, envelope)
         except Exception as error:  # a collective broke: a rank died, hung past the timeout or diverged
-            # Rank 0's own part raised, not in a collective (replica.answer): name rank 0.
+            # Rank 0's own part raised outside any collective (replica.answer): name rank 0.
+            is_own = stage == "own" and not isinstance(error, CollectiveError)
             own_failure = f"engine rank 0 failed its part of a {type(commands[0]).__name__} ({error})"
-            raise self._fail(self._diagnose(error, own_failure if stage == "own" else None)) from error
+            raise self._fail(self._diagnose(error, own_failure if is_own else None)) from error
         finally:
             self._last_exchange = time.monotonic()
         envelopes = cast(list[RankReply], gathered)  # what every rank sends (replica.reply)

@@ -27,7 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loraplex.engine.local import resolve_device
 from loraplex.errors import UserError
-from loraplex.model.tensor_parallel import SINGLE, TensorParallel
+from loraplex.model.tensor_parallel import SINGLE, TensorParallel, collective
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -192,7 +192,8 @@ def all_reduce_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None
     Semantics: `for t in tensors: dist.all_reduce(t, SUM)`, as one all-reduce of their concatenation.
     """
     flat = _flatten_dense_tensors(list(tensors))
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    with collective():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     _copy_back(tensors, flat)
 
 
@@ -203,7 +204,8 @@ def broadcast_flat(tensors: Sequence[Tensor], group: dist.ProcessGroup) -> None:
     Semantics: `for t in tensors: dist.broadcast(t, group_src=0)`, as one broadcast of their concatenation.
     """
     flat = _flatten_dense_tensors(list(tensors))
-    dist.broadcast(flat, group=group, group_src=0)
+    with collective():
+        dist.broadcast(flat, group=group, group_src=0)
     if dist.get_rank(group) != 0:
         _copy_back(tensors, flat)
 
