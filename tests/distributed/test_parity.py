@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -210,14 +211,21 @@ def test_a_checkpoint_saved_under_two_ranks_resumes_exactly_under_one(ranks, ref
         assert_adapters_equal(ranks.engine.local, reference, slots)
 
 
+def load_reference_checkpoints(
+    engine: Engine, reference: ReferenceEngine, slots: list[int], into: Path
+) -> None:
+    """Each slot of the reference saved under `into` and loaded into the same slot of `engine`, and back
+    into the reference (a copy; its twin then resumes from the state `engine` resumes from)."""
+    for slot in slots:
+        reference.save_state(slot, into / f"slot{slot}", owner_digest="owner")
+        for loader in (engine, reference):
+            loader.load_state(into / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
+
+
 def test_a_checkpoint_saved_under_one_rank_resumes_exactly_under_two(ranks, reference, tmp_path) -> None:
     with slots_on(ranks.engine, reference) as slots:
         train((reference,), slots, steps=2, seed=400)
-        for slot in slots:
-            reference.save_state(slot, tmp_path / f"slot{slot}", owner_digest="owner")
-            ranks.engine.load_state(tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
-            # A copy for the reference; its twin resumes from the state the ranks resume from.
-            reference.load_state(tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
+        load_reference_checkpoints(ranks.engine, reference, slots, tmp_path)
         train((ranks.engine, reference), slots, steps=1, seed=500)
         assert_adapters_equal(ranks.engine.local, reference, slots)
         check = training_pass(slots, seed=501)

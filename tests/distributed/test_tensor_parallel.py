@@ -35,6 +35,7 @@ from tests.distributed.test_parity import (
     assert_results_equal,
     assert_same_samples,
     drain_sampler,
+    load_reference_checkpoints,
     slots_on,
     train,
     training_pass,
@@ -138,10 +139,7 @@ def test_a_single_rank_checkpoint_loads_into_every_part_and_gathers_back_bit_for
 ) -> None:
     with slots_on(ranks.engine, reference) as slots:
         train((reference,), slots, steps=2, seed=400)
-        for slot in slots:
-            reference.save_state(slot, tmp_path / f"slot{slot}", owner_digest="owner")
-            ranks.engine.load_state(tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
-            reference.load_state(tmp_path / f"slot{slot}", "owner", with_optimizer=True, slot=slot)
+        load_reference_checkpoints(ranks.engine, reference, slots, tmp_path)
         assert_adapters_identical(ranks.engine, reference, slots)
         # Into a new slot too: every rank makes its own part of it.
         new, config = ranks.engine.load_state(tmp_path / f"slot{slots[1]}", "owner", with_optimizer=True)

@@ -1,7 +1,6 @@
 """What every rank of tests/engine/test_sampler_tensor_parallel.py runs: rank 0 in the test process, rank 1
-as `python -m tests.engine.sampler_tensor_parallel_scenarios MODEL_DIR ...` (started by the test with the
-engine's LocalRanks). With `SINGLE` the same functions give the single-rank reference, and in float64 its
-twin.
+as `python -m tests.engine.sampler_tensor_parallel_scenarios MODEL_DIR ...` (tests/model/two_ranks.py).
+With `SINGLE` the same functions give the single-rank reference, and in float64 its twin.
 
 A scenario loads a decoder (this rank's part of it), puts a Sampler over it and makes the Sampler calls the
 engine makes on every rank, in one order: requests of the base model and of two snapshots of different
@@ -12,14 +11,12 @@ its prefill shares a step with the others' decodes, then steps until every reque
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
 from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.slots import lora_names
 from loraplex.engine.snapshots import write_snapshot
@@ -28,8 +25,8 @@ from loraplex.errors import UserError
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.multi_lora import init_slot_weights
 from loraplex.model.tensor_parallel import TensorParallel
+from tests.model.two_ranks import rank_main
 
-TIMEOUT_S = 60.0  # each collective's; the test fails sooner when rank 1 exits (LocalRanks.run_watched)
 # Snapshot name -> its adapter; seeded like a slot of that config, B random (a fresh slot's is zero).
 SNAPSHOTS = {
     "rank4": (LoraConfig(rank=4, seed=1), {"attn", "mlp", "unembed"}),
@@ -118,15 +115,5 @@ def run_all(model_dirs: list[Path], tp: TensorParallel) -> dict[str, list[Run]]:
     return runs
 
 
-def main() -> None:
-    """Rank 1 (or any rank but 0): join the group the test's rank 0 opened and run every scenario."""
-    env = RankEnv.from_environ()
-    group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
-    try:
-        run_all([Path(arg) for arg in sys.argv[1:]], TensorParallel.over(group.data))
-    finally:
-        leave_group()
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run_all)

@@ -12,8 +12,6 @@ applies.
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
-from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 from tests.engine.sampler_tensor_parallel_scenarios import (
-    TIMEOUT_S,
     Run,
     requests,
     run_all,
@@ -35,7 +30,8 @@ from tests.engine.sampler_tensor_parallel_scenarios import (
 from tests.model.float64 import float64_experts
 from tests.model.rounding import assert_within_rounding
 from tests.model.test_decoder_parity import save_random_hf_model
-from tests.model.test_tensor_parallel import MODELS, STOP_GRACE_S
+from tests.model.test_tensor_parallel import MODELS
+from tests.model.two_ranks import run_on_two_ranks
 
 
 @pytest.fixture(scope="module")
@@ -53,27 +49,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs: dict[str, Path]) -> dict[str, list[Run]]:
     """Per model, every rank's results on two ranks (rank 1 a child process making the same calls)."""
-    env = RankEnv.on_this_machine(2)
-    dirs = list(model_dirs.values())
-    command = [sys.executable, "-m", "tests.engine.sampler_tensor_parallel_scenarios", *map(str, dirs)]
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        patch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the child imports tests.engine too
-        local_ranks = LocalRanks.spawn(command, env)
-
-    def rank_0() -> dict[str, list[Run]]:
-        group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
-        try:
-            return run_all(dirs, TensorParallel.over(group.data))
-        finally:
-            leave_group()
-
-    try:
-        return local_ranks.run_watched(rank_0)
-    finally:
-        local_ranks.stop(STOP_GRACE_S)
-        torch.set_num_threads(threads)
+    scenarios = "tests.engine.sampler_tensor_parallel_scenarios"
+    return run_on_two_ranks(scenarios, run_all, list(model_dirs.values()))
 
 
 @pytest.fixture(scope="module")

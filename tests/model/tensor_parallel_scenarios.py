@@ -1,6 +1,6 @@
 """What every rank of tests/model/test_tensor_parallel.py runs: rank 0 in the test process, rank 1 as
-`python -m tests.model.tensor_parallel_scenarios MODEL_DIR ...` (started by the test with the engine's
-LocalRanks). With `SINGLE` the same functions give the single-rank reference, and in float64 its twin.
+`python -m tests.model.tensor_parallel_scenarios MODEL_DIR ...` (tests/model/two_ranks.py). With `SINGLE`
+the same functions give the single-rank reference, and in float64 its twin.
 
 A scenario loads a decoder (this rank's part of it), attaches slots of several ranks, runs a packed batch
 through both logprob paths with a backward, and a prefill and decode steps through the KV cache. Every
@@ -11,7 +11,6 @@ model each rank also reports the expert load of its first forward.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
 from loraplex.engine.logprobs import chunked_token_logprobs, chunked_token_logprobs_backward
 from loraplex.model import hf_checkpoint
 from loraplex.model.decoder import Decoder
@@ -41,8 +39,8 @@ from loraplex.model.tensor_parallel import (
     gather_split,
     gather_vocab,
 )
+from tests.model.two_ranks import rank_main
 
-TIMEOUT_S = 60.0  # each collective's; the test fails sooner when rank 1 exits (LocalRanks.run_watched)
 LENGTHS = (6, 4, 9, 5, 7)
 SEQUENCE_SLOTS = (0, 0, 1, None, 2)  # one base-only sequence between the slots
 SLOT_RANKS = {0: 4, 1: 8, 2: 2}  # every slot at its own rank, unpadded
@@ -322,15 +320,5 @@ def run_all(model_dirs: list[Path], tp: TensorParallel) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    """Rank 1 (or any rank but 0): join the group the test's rank 0 opened and run every scenario."""
-    env = RankEnv.from_environ()
-    group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
-    try:
-        run_all([Path(arg) for arg in sys.argv[1:]], TensorParallel.over(group.data))
-    finally:
-        leave_group()
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(run_all)

@@ -11,9 +11,7 @@ more.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +20,6 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-from loraplex.engine.distributed.group import RankEnv, RankTimeouts, join_group, leave_group
-from loraplex.engine.distributed.launch import LocalRanks
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder, read_config
@@ -35,7 +31,6 @@ from tests.model.rounding import assert_within_rounding, rounding_bound, to_nump
 from tests.model.tensor_parallel_scenarios import (
     LENGTHS,
     PARTIAL_KEY,
-    TIMEOUT_S,
     HeadRun,
     ModelRun,
     run_all,
@@ -43,6 +38,7 @@ from tests.model.tensor_parallel_scenarios import (
     run_model,
 )
 from tests.model.test_decoder_parity import save_random_hf_model
+from tests.model.two_ranks import run_on_two_ranks
 
 SHAPES = {
     "hidden_size": 64,
@@ -80,7 +76,6 @@ EXPERT_KEY = re.compile(r".+\.mlp\.experts\.(?P<expert>\d+)\..+")
 # Per rank, at most this share of the whole model's base bytes (and of what loading it reads): half of
 # every split weight, plus the norms every rank holds whole.
 MAX_SHARE = 0.55
-STOP_GRACE_S = 10.0  # rank 1 exits right after the last collective; killed if it has not by then
 
 
 @pytest.fixture(scope="module")
@@ -95,27 +90,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def two_ranks(model_dirs: dict[str, Path]) -> dict[str, Any]:
     """Rank 0's results of every scenario on two ranks (rank 1 a child process running the same)."""
-    env = RankEnv.on_this_machine(2)
-    dirs = list(model_dirs.values())
-    command = [sys.executable, "-m", "tests.model.tensor_parallel_scenarios", *map(str, dirs)]
-    threads = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        patch.setenv("PYTHONPATH", os.pathsep.join(sys.path))  # the child imports tests.model too
-        local_ranks = LocalRanks.spawn(command, env)
-
-    def rank_0() -> dict[str, Any]:
-        group = join_group(env, torch.device("cpu"), RankTimeouts(TIMEOUT_S, TIMEOUT_S))
-        try:
-            return run_all(dirs, TensorParallel.over(group.data))
-        finally:
-            leave_group()
-
-    try:
-        return local_ranks.run_watched(rank_0)
-    finally:
-        local_ranks.stop(STOP_GRACE_S)
-        torch.set_num_threads(threads)
+    return run_on_two_ranks("tests.model.tensor_parallel_scenarios", run_all, list(model_dirs.values()))
 
 
 @pytest.fixture(scope="module")
