@@ -35,7 +35,7 @@ def _prompt_form(value: Any) -> str | None:
     if isinstance(value, str):
         return "text"
     if not isinstance(value, list):
-        return None  # refused with _PROMPT_FORMS
+        return None  # refused with the message below
     if not value:
         return "ids"  # then refused by _some_prompt
     first = value[0]
