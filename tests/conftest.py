@@ -16,3 +16,15 @@ def postgres_url_prefix() -> Iterator[str]:
         pytest.fail("PostgreSQL is not installed: .ci/run installs Debian's postgresql package")
     with postgres_cluster() as prefix:
         yield prefix
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `gpu` tests, visibly, on a machine without CUDA (bench/gpu_check.sh runs them on one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: run bench/gpu_check.sh on one")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
