@@ -18,6 +18,14 @@ def postgres_url_prefix() -> Iterator[str]:
         yield prefix
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests run with deterministic kernels, as `serve --deterministic` does (servers started by tests pass
+    it): a test that compares two runs bit for bit must hold on a GPU too."""
+    from loraplex.engine.determinism import use_deterministic_kernels
+
+    use_deterministic_kernels()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the `gpu` tests, visibly, on a machine without CUDA (bench/gpu_check.sh runs them on one)."""
     import torch

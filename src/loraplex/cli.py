@@ -150,9 +150,12 @@ def sampling_limits(config: ServerConfig) -> SamplingLimits:
 def _engine_builder(config: ServerConfig) -> EngineBuilder:
     """Builds the configured model's LocalEngine on the device it is given, holding the part of the model
     its tensor-parallel group gives it (heavy imports: only here)."""
+    from loraplex.engine.determinism import use_deterministic_kernels
     from loraplex.engine.local import build_local_engine
 
     def build(device: str, tp: TensorParallel) -> LocalEngine:
+        if config.deterministic:
+            use_deterministic_kernels()
         engine = build_local_engine(
             config.model,
             config.data_dir,

@@ -31,6 +31,11 @@ class ServerConfig(BaseModel):
         "parked to disk.",
     )
     max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
+    deterministic: bool = Field(
+        False,
+        description="Deterministic kernels: passes and sampling steps repeat bit for bit on one machine "
+        "(slower on GPUs; docs/OPERATIONS.md says what repeats and what does not).",
+    )
 
     # --- data parallelism (engine ranks; under torchrun the ranks come from its environment instead)
     nproc: int = Field(

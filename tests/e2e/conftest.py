@@ -59,6 +59,7 @@ class Server:
             "-m",
             "loraplex.cli",
             "serve",
+            "--deterministic",  # the default in tests (docs/OPERATIONS.md, "Deterministic mode")
             "--port",
             str(self.port),
             "--data-dir",

@@ -5,6 +5,8 @@ likeliest ids, ties to the lower id), then top-p on the top-k distribution renor
 prefix, likeliest first, whose mass reaches p; at least one id); the kept ids renormalised.
 A draw walks that distribution's cumulative sum in vocabulary order to the caller's uniform u ∈ [0, 1),
 so a sequence's tokens depend only on its logits and its own generator, never on its batch neighbours.
+Cumulative sums of probabilities are taken in fixed point (`_cumulative_probs`), so a draw is the same
+on every device and kernel, the deterministic mode's included.
 
 Logprob convention: a sampled token's logprob is under that renormalised truncated distribution, the
 exact probability with which the token was drawn. RL losses use it as the behaviour policy q in the
@@ -115,12 +117,25 @@ def _walk_cdf(lp_BV: Tensor, uniforms_BA: Tensor) -> Tensor:
     cumulative probability passes u × its total mass (float64)."""
     vocab = lp_BV.shape[-1]
     probs_BV = lp_BV.double().exp()
-    cdf_BV = probs_BV.cumsum(-1)
+    cdf_BV = _cumulative_probs(probs_BV)
     targets_BA = uniforms_BA.to(device=lp_BV.device, dtype=torch.float64) * cdf_BV[:, -1:]
     sampled_BA = torch.searchsorted(cdf_BV, targets_BA, right=True)
     # Rounding can put the target at the total mass: fall back to the last id that has any.
     last_kept_B1 = vocab - 1 - (probs_BV > 0).flip(-1).int().argmax(-1, keepdim=True)
     return torch.minimum(sampled_BA, last_kept_B1)
+
+
+# Probabilities as integer multiples of 2⁻⁶²: an integer prefix sum is exact, hence the same in any
+# summation order, where a floating-point one on a GPU is not (its scan kernels order the adds by timing;
+# torch refuses them under deterministic algorithms). A probability and a row's total are at most 1 plus
+# rounding, far inside int64; 2⁻⁶² resolves finer than float64 does near 1.
+_FIXED_POINT_ONE = 2.0**62
+
+
+def _cumulative_probs(probs_BV: Tensor) -> Tensor:
+    """(B, V) float64 cumulative sums of each row's probabilities, the same on every device and kernel."""
+    fixed_BV = torch.round(probs_BV.double() * _FIXED_POINT_ONE).to(torch.int64)
+    return fixed_BV.cumsum(-1).double() / _FIXED_POINT_ONE
 
 
 def draw_token_reference(logits_V: Tensor, params: SamplingParams, uniform: float) -> tuple[int, float]:
@@ -163,7 +178,7 @@ def _kept_ids(lp_MV: Tensor, top_k_M: Tensor, top_p_M: Tensor) -> Tensor:
     rank_V = torch.arange(lp_MV.shape[-1], device=lp_MV.device)
     in_top_k_MV = rank_V[None, :] < top_k_M[:, None]
     probs_MV = torch.softmax(sorted_lp_MV.masked_fill(~in_top_k_MV, float("-inf")), dim=-1)
-    mass_before_MV = probs_MV.cumsum(-1) - probs_MV
+    mass_before_MV = _cumulative_probs(probs_MV) - probs_MV
     # The likeliest id has 0 mass before it, so some id is kept for any top_p > 0.
     is_kept_sorted_MV = in_top_k_MV & (mass_before_MV < top_p_M[:, None])
     return torch.zeros_like(is_kept_sorted_MV).scatter_(-1, order_MV, is_kept_sorted_MV)

@@ -1,0 +1,29 @@
+"""`--deterministic`: the kernels of every pass and sampling step repeat bit for bit on one machine.
+
+On a CPU our kernels already repeat (fixed summation order for a given shape and thread count). On a GPU
+several do not by default: cuBLAS picks split-K reductions whose order depends on its workspace,
+`index_add` and `scatter_add_` accumulate with atomics, and attention backward kernels may too. Asking
+torch for its deterministic algorithms switches those to fixed-order versions (or raises for an op that
+has none, which is better than a silent difference) and needs cuBLAS's workspace fixed before its first
+call. What stays not repeatable, and why, is in docs/OPERATIONS.md ("Deterministic mode").
+
+A process-wide switch: every engine rank applies it before it builds its model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# cuBLAS reads it when it creates its first handle; ":4096:8" is one of the two settings NVIDIA documents
+# as giving reproducible results (the other, ":16:8", costs more speed).
+_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def use_deterministic_kernels() -> None:
+    """Make torch use deterministic kernels from here on, in this process (idempotent)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
