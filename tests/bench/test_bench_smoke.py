@@ -104,7 +104,7 @@ def test_sample_times_the_engine_with_adapters_the_base_model_and_hf_peft_on_the
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     shape = ["--slots", "2", "--prompts-per-slot", "3", "--prompt-len", "5", "--new-tokens", "4"]
-    shape += ["--rank", "2"]
+    shape += ["--rank", "2", "--hbm-gbps", "100"]
     *rows, summary = run_json(["sample", *FAST, *shape], capsys)
 
     assert [r["config"] for r in rows] == ["engine", "base_only", "hf_peft"]
@@ -113,6 +113,12 @@ def test_sample_times_the_engine_with_adapters_the_base_model_and_hf_peft_on_the
     assert_positive_numbers(summary, SAMPLE_SUMMARY_FIELDS)
     assert math.isfinite(summary["lora_overhead"])  # a difference of timings: may be negative
     assert summary["generated_tokens"] == 2 * 3 * 4
+    # The median sampler step against its traffic's bound at 100 GB/s.
+    assert_positive_numbers(summary, ("decode_step_ms", "decode_bytes_per_step", "decode_bound_ms"))
+    assert summary["decode_bound_ms"] == pytest.approx(1e3 * summary["decode_bytes_per_step"] / 100e9)
+    assert summary["decode_step_over_bound"] == pytest.approx(
+        summary["decode_step_ms"] / summary["decode_bound_ms"]
+    )
     assert summary["command"].startswith("loraplex bench sample --model smoke")
 
 

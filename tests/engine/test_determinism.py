@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from loraplex.cli import build_parser, config_from_args
 from loraplex.engine.determinism import use_deterministic_kernels
 from loraplex.engine.local import build_local_engine
 from loraplex.engine.sampler.sampling import _cumulative_probs
@@ -28,6 +27,9 @@ from tests.engine.test_sampler import sample_one, tokens_of
 
 
 def test_the_flag_turns_on_torchs_deterministic_algorithms_and_fixes_the_cublas_workspace() -> None:
+    # Imported here: bench/gpu_check.sh collects this module where only the engine's packages are installed.
+    from loraplex.cli import build_parser, config_from_args
+
     assert config_from_args(build_parser().parse_args(["serve", "--deterministic"])).deterministic
     assert not config_from_args(build_parser().parse_args(["serve"])).deterministic
     use_deterministic_kernels()  # tests/conftest.py already did, as every serve --deterministic rank does

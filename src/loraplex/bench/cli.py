@@ -105,6 +105,12 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     )
     sample.add_argument("--skip-hf", action="store_true", help="leave out the HF generate + PEFT baseline")
     sample.add_argument(
+        "--hbm-gbps",
+        type=float,
+        default=None,
+        help="device memory bandwidth in GB/s, to compare a decode step with its traffic's bound",
+    )
+    sample.add_argument(
         "--memory",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -50,6 +50,51 @@ def attention_train_flops_per_token(config: DecoderConfig, seq_len: int) -> floa
     return 3.0 * forward
 
 
+def _lora_params_per_rank(config: DecoderConfig) -> int:
+    """A rank-1 adapter's A and B entries over every target (q, k, v, o and the MLP's projections, every
+    expert's in an MoE layer): Σ (in + out) per target."""
+    D, F, H = config.hidden_size, config.intermediate_size, config.head_dim
+    attn_width, kv_width = config.num_attention_heads * H, config.num_key_value_heads * H
+    attention = 2 * (D + attn_width) + 2 * (D + kv_width)
+    dense_mlp = 3 * (D + F)
+    sparse_mlp = config.num_experts * 3 * (D + config.moe_intermediate_size)
+    mlp = sum(
+        sparse_mlp if config.is_moe_layer(layer) else dense_mlp for layer in range(config.num_hidden_layers)
+    )
+    return config.num_hidden_layers * attention + mlp
+
+
+def decode_step_bytes(
+    config: DecoderConfig,
+    sequences: int,
+    context: float,
+    adapters: int,
+    rank: int,
+    weight_bytes: int,
+    adapter_bytes: int,
+) -> float:
+    """The least memory traffic of one decode step of `sequences` sequences attending `context` keys each
+    on average, over `adapters` distinct adapters of rank `rank`: every base weight read once (in an MoE
+    layer, the experts any sequence picks, expected under uniform routing), each adapter's A and B once,
+    every sequence's cached keys and values read and one new pair written. Activations (a few
+    sequences × hidden vectors per layer) are left out: under 1% of the total at the shapes we report."""
+    D, H = config.hidden_size, config.head_dim
+    attn_width, kv_width = config.num_attention_heads * H, config.num_key_value_heads * H
+    attention = D * attn_width + 2 * D * kv_width + attn_width * D
+    E, P = config.num_experts, config.num_experts_per_tok
+    experts_read = E * (1.0 - (1.0 - P / E) ** sequences) if E else 0.0
+    weights = D * config.vocab_size + config.num_hidden_layers * attention
+    for layer in range(config.num_hidden_layers):
+        if config.is_moe_layer(layer):
+            weights += D * E + experts_read * 3 * D * config.moe_intermediate_size
+        else:
+            weights += 3 * D * config.intermediate_size
+    kv_per_token = config.num_hidden_layers * 2 * kv_width * weight_bytes
+    kv = sequences * (context + 1) * kv_per_token
+    lora = adapters * rank * _lora_params_per_rank(config) * adapter_bytes
+    return weights * weight_bytes + kv + lora
+
+
 class DenseMatmul:
     """A callable running `reps` square matmuls in the run's dtype; `flops` is the work of one call."""
 

@@ -7,6 +7,10 @@ Every configuration generates exactly `new_tokens` greedy tokens for the same pr
 by the engine (`save_snapshot`) after giving each slot small random non-zero B matrices, and HF loads the
 very same directories with PEFT. Prompts have different lengths, so HF's batches are really left-padded.
 
+The engine's sampler steps are timed one by one too: their median is a decode step (all prompts are
+admitted in the first steps, so prefill steps are few), which `--hbm-gbps` compares with the least time
+its memory traffic takes (roofline.decode_step_bytes), the bound a decode step is measured against.
+
 Shapes: S snapshots, Q prompts of one snapshot, P prompt length, B a batch's rows.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,6 +30,7 @@ import torch
 
 from loraplex.bench import report
 from loraplex.bench.memory import own_peak_rss_mb, peak_gpu_mb, peak_rss_mb
+from loraplex.bench.roofline import decode_step_bytes
 from loraplex.bench.timing import Stat, ratios, time_interleaved
 from loraplex.bench.train import build_engine, run_dtype
 from loraplex.bench.workloads import prepare_model_dir
@@ -107,6 +113,7 @@ class EngineSampling:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, stop=())
         self.engine = engine
         self.new_tokens = new_tokens
+        self.step_seconds: list[float] = []  # every sampler step of every call, in order
         self.requests = {
             f"s{k}p{q}": SampleRequest(
                 prompt=prompt, params=params, snapshot=snapshots[k] if snapshots else None
@@ -120,7 +127,11 @@ class EngineSampling:
             self.engine.add_sample(key, request)
         pending = set(self.requests)
         while pending:
-            for key, result in self.engine.step_sampler():
+            # A step ends by reading its sampled tokens back to the host, so its wall time is its device time.
+            start = time.perf_counter()
+            finished = self.engine.step_sampler()
+            self.step_seconds.append(time.perf_counter() - start)
+            for key, result in finished:
                 if isinstance(result, UserError):
                     raise result
                 if len(result.sequences[0].tokens) != self.new_tokens:
@@ -210,6 +221,33 @@ def _memory(
     return memory
 
 
+def _decode_figures(
+    shape: SampleShape,
+    config: DecoderConfig,
+    step_seconds: list[float],
+    prompts: list[list[np.ndarray]],
+    weight_bytes: int,
+    hbm_gbps: float | None,
+) -> dict[str, Any]:
+    """The median sampler step (a decode step) in ms and, given the device's memory bandwidth, the least
+    time its traffic takes at the round's mean context (mean prompt length plus half the new tokens) and
+    the ratio of the two (the issue's target: at most 2)."""
+    figures: dict[str, Any] = {"decode_step_ms": 1e3 * float(np.median(step_seconds))}
+    if hbm_gbps:
+        context = float(np.mean([len(p) for ps in prompts for p in ps])) + shape.new_tokens / 2
+        sequences = shape.snapshots * shape.prompts_per_snapshot
+        # Adapters are read in fp32 until issue 30's compute-dtype LoRA lands (weights in `weight_bytes`).
+        traffic = decode_step_bytes(config, sequences, context, shape.snapshots, shape.rank, weight_bytes, 4)
+        bound_ms = 1e3 * traffic / (hbm_gbps * 1e9)
+        figures |= {
+            "decode_bytes_per_step": traffic,
+            "decode_bound_ms": bound_ms,
+            "decode_step_over_bound": figures["decode_step_ms"] / bound_ms,
+            "hbm_gbps": hbm_gbps,
+        }
+    return figures
+
+
 def _summarize(shape: SampleShape, seconds: dict[str, list[float]]) -> dict[str, Any]:
     """Medians and bests; every ratio taken round by round, then summarised."""
     tokens = shape.generated_tokens
@@ -261,5 +299,9 @@ def bench_sample(args: argparse.Namespace) -> int:
         memory = _memory(runs, device, spec, not args.skip_hf) if args.memory else {}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
     figures = _summarize(shape, timings.seconds)
+    engine_run = runs["engine"]
+    assert isinstance(engine_run, EngineSampling)
+    weight_bytes = torch.finfo(run_dtype(device)).bits // 8
+    figures |= _decode_figures(shape, config, engine_run.step_seconds, prompts, weight_bytes, args.hbm_gbps)
     report.emit_run(timings, shape.generated_tokens, context, figures, memory, args.json)
     return 0
