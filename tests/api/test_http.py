@@ -127,6 +127,13 @@ def test_heartbeats_after_finish_answer_410_so_the_sdk_stops_them(http: TestClie
     )
 
 
+def test_heartbeats_of_an_unknown_session_answer_410_too_as_the_sdk_expects(http: TestClient) -> None:
+    """docs/PROTOCOL.md: the SDK stops heartbeating on 410 only; a 404 would be retried forever."""
+    answer = http.post("/api/v1/session_heartbeat", json={"session_id": "no-such-session"}, headers=KEY)
+    assert answer.status_code == 410
+    assert "no-such-session" in answer.json()["detail"]
+
+
 def _sampler(http: TestClient) -> str:
     session = http.post("/api/v1/create_session", json={}, headers=KEY).json()["session_id"]
     body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "fake/bigram"}
