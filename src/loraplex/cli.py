@@ -223,6 +223,7 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     import uvicorn
 
     from loraplex.api.app import create_app
+    from loraplex.api.http_protocol import read_timeout_protocol
     from loraplex.model.hub_cache import offer_tiny_tokenizer
     from loraplex.model.tiny import TINY_MODEL_NAME
     from loraplex.runtime.assembly import Runtime
@@ -244,8 +245,15 @@ def run_server(config: ServerConfig, engine: Any) -> None:
     freeze_startup_heap()
     # The C parser and event loop (pinned dependencies): each request's Python time is time the engine's
     # thread may wait for the GIL, and the SDK makes two requests per forward_backward or optim_step.
+    # The protocol adds read timeouts to uvicorn's (api/http_protocol.py): a stalled client is closed.
     http_config = uvicorn.Config(
-        app, host=config.host, port=config.port, log_level="warning", http="httptools", loop="uvloop"
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        http=read_timeout_protocol(config.http_header_timeout_s, config.http_body_idle_timeout_s),
+        loop="uvloop",
+        timeout_keep_alive=config.http_keep_alive_s,
     )
     server = uvicorn.Server(http_config)
     # HTTP on a thread, the engine on this main thread, where its passes run fastest (EngineLoop.run).

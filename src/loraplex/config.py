@@ -77,6 +77,24 @@ class ServerConfig(BaseModel):
         "acts as the one tenant; without it, serve refuses to start.",
     )
 
+    http_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest a connection may take to send a request's headers (from its first byte, or "
+        "from connecting); past it the server answers 408 and closes the connection.",
+    )
+    http_body_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest a request's body may stall between two pieces before the connection is closed.",
+    )
+    http_keep_alive_s: float = Field(
+        20.0,
+        gt=0,
+        description="How long an idle connection is kept open for a client's next request (above the SDK's "
+        "5 s pool expiry, so the client closes first).",
+    )
+
     # --- storage
     data_dir: Path = Field(Path("./loraplex-data"), description="Checkpoints, snapshots and the SQLite file.")
     database_url: str | None = Field(
