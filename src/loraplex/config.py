@@ -97,6 +97,12 @@ class ServerConfig(BaseModel):
 
     # --- storage
     data_dir: Path = Field(Path("./loraplex-data"), description="Checkpoints, snapshots and the SQLite file.")
+    database_outage_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a request waits for an unreachable database (tried again with backoff) "
+        "before it is answered 503 with Retry-After; healthz answers 503 meanwhile.",
+    )
     database_url: str | None = Field(
         None, description="SQLAlchemy URL (e.g. postgresql+psycopg://...); default: SQLite in the data dir."
     )

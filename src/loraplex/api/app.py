@@ -55,6 +55,8 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
     if status >= 500 and not isinstance(error, CapacityError):  # capacity says what to wait for
         return _server_error(error)
     headers = _PERMANENT if isinstance(error, UserError) else {}
+    if (retry_after_s := getattr(error, "retry_after_s", None)) is not None:
+        headers = {**headers, "Retry-After": str(retry_after_s)}
     return JSONResponse({"detail": str(error)}, status_code=status, headers=headers)
 
 
@@ -107,7 +109,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     state.sessions, state.catalog, state.downloads = runtime.sessions, runtime.catalog, runtime.downloads
     state.session_search, state.session_traces = runtime.session_search, runtime.session_traces
     state.info, state.layout, state.submissions = runtime.info, runtime.layout, submissions
-    state.codecs = codecs
+    state.codecs, state.database = codecs, runtime.store.reachability
     state.tenants, state.logins, state.console = runtime.tenants, runtime.logins, runtime.console
     state.metrics_public = runtime.config.metrics_public
     app.add_exception_handler(LoraplexError, _loraplex_error)

@@ -28,6 +28,7 @@ from loraplex.runtime.control.session_search import SessionSearch
 from loraplex.runtime.control.session_trace import SessionTraces
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store import Store
+from loraplex.runtime.control.store.outage import DatabaseWatch
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.duty import DutyMeter, MeteredEngine
@@ -93,6 +94,7 @@ class Runtime:
             TextCodec.load(engine.info.tokenizer_dir),
         )
         recover(store, self.layout, self.state, config.max_seq_ids_ahead)
+        self.database_watch = DatabaseWatch(store.reachability, store.ping)
         self.housekeeping = Housekeeping(
             Retention(store, self.layout, RetentionPolicy.of(config)),
             self.state,
@@ -132,7 +134,7 @@ class Runtime:
     def open(cls, engine: Engine, config: ServerConfig) -> Runtime:
         """A runtime on the configured data directory and database (created if missing)."""
         config.data_dir.mkdir(parents=True, exist_ok=True)
-        return cls(engine, Store(config.resolved_database_url()), config)
+        return cls(engine, Store(config.resolved_database_url(), config.database_outage_s), config)
 
     @property
     def info(self) -> EngineInfo:
@@ -144,6 +146,7 @@ class Runtime:
         runs it (`loraplex serve` runs it on the main thread: EngineLoop.run)."""
         self.writer.start()
         self.housekeeping.start()
+        self.database_watch.start()
         if with_engine_loop:
             self.engine_loop.start()
 
@@ -154,8 +157,13 @@ class Runtime:
         self.engine_loop.park_all()
         self.housekeeping.close()
         self.writer.close()
+        self.database_watch.close()
         self.store.close()
 
     def _occupancy(self) -> Occupancy:
         occupancy = self.state.occupancy(self.engine.max_slots)
-        return dataclasses.replace(occupancy, futures_pending=self.futures.pending_count())
+        return dataclasses.replace(
+            occupancy,
+            futures_pending=self.futures.pending_count(),
+            database_up=self.store.reachability.is_up,
+        )

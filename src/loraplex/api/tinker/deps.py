@@ -20,6 +20,7 @@ from loraplex.runtime.control.service import TrainingService
 from loraplex.runtime.control.session_search import SessionSearch
 from loraplex.runtime.control.session_trace import SessionTraces
 from loraplex.runtime.control.sessions import SessionTable
+from loraplex.runtime.control.store.outage import Reachability
 from loraplex.runtime.core.checkpoints import DiskLayout
 
 
@@ -42,6 +43,7 @@ Downloads = Annotated[DownloadSigner, Depends(_from_app("downloads"))]
 Search = Annotated[SessionSearch, Depends(_from_app("session_search"))]
 Traces = Annotated[SessionTraces, Depends(_from_app("session_traces"))]
 Info = Annotated[EngineInfo, Depends(_from_app("info"))]
+Database = Annotated[Reachability, Depends(_from_app("database"))]
 Layout = Annotated[DiskLayout, Depends(_from_app("layout"))]
 Submissions = Annotated[SubmissionThread, Depends(_from_app("submissions"))]
 Codecs = Annotated[CodecPool, Depends(_from_app("codecs"))]

@@ -8,11 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
-from loraplex.api.tinker.deps import Info, Sessions
+from loraplex.api.tinker.deps import Database, Info, Sessions
 from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
+from loraplex.runtime.control.store.outage import DatabaseUnavailableError
 
 router = APIRouter(route_class=PooledJsonRoute)
 
@@ -31,8 +33,13 @@ async def dynamic_config() -> dict[str, Any]:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
 
-@router.get("/healthz")
-async def healthz() -> dict[str, str]:
+@router.get("/healthz", response_model=None)
+async def healthz(database: Database) -> dict[str, str] | JSONResponse:
+    """200 while the server can do its work; 503 with the reason while it cannot (the database does not
+    answer), so a load balancer or supervisor notices. Reads a flag: no database call on the loop."""
+    if (reason := database.down_report()) is not None:
+        headers = {"Retry-After": str(DatabaseUnavailableError.retry_after_s)}
+        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503, headers=headers)
     return {"status": "ok"}
 
 

@@ -111,6 +111,7 @@ class Occupancy:
     runs_waiting: int = 0  # runs with work but no slot
     queue_depth: Mapping[str, int] = field(default_factory=dict)  # kind -> queued requests
     futures_pending: int = 0
+    database_up: bool = True  # false while the database does not answer (control/store/outage.py)
 
 
 def queue_depths(occupancy: Occupancy) -> dict[str, int]:
@@ -169,6 +170,11 @@ class _OccupancyCollector:
         yield depth
         yield GaugeMetricFamily(
             "loraplex_futures_pending", "Requests whose future has no outcome yet.", value=o.futures_pending
+        )
+        yield GaugeMetricFamily(
+            "loraplex_database_up",
+            "1 while the database answers; 0 during an outage (requests wait, then get 503).",
+            value=int(o.database_up),
         )
 
 

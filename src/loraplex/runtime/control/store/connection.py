@@ -1,8 +1,9 @@
 """The Store's connection: the SQLAlchemy engine (SQLite in WAL mode, or PostgreSQL), the schema brought
-to the newest revision as it opens (migrations/), short transactions, and the timing of every call.
+to the newest revision as it opens (migrations/), short transactions, and the guard of every call.
 
 `StoreBase` is what the query classes of the store share (future_rows.py, metric_rows.py, repository.py);
-`time_calls` makes every public method of the assembled `Store` report its duration. No tensors, no HTTP.
+`time_calls` makes every public method of the assembled `Store` ride out a database outage (outage.py)
+and report its duration. No tensors, no HTTP.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy.engine import Engine as SqlEngine
 from sqlalchemy.orm import Session, sessionmaker
 
 from loraplex.runtime.control.store import migrations
+from loraplex.runtime.control.store.outage import Reachability
 from loraplex.runtime.control.store.schema import Base
 
 
@@ -47,8 +49,10 @@ class StoreBase:
 
     observe: Callable[[str, float], None] | None = None
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, outage_s: float = 60.0) -> None:
         self.url = url
+        # How long a call waits for an unreachable database before giving up (--database-outage-s).
+        self.reachability = Reachability(outage_s)
         self._engine = connect(url)
         migrations.upgrade(self._engine)
         self._session = sessionmaker(self._engine, expire_on_commit=False)
@@ -67,6 +71,11 @@ class StoreBase:
     def close(self) -> None:
         """Release pooled connections."""
         self._engine.dispose()
+
+    def ping(self) -> None:
+        """One round trip to the database, without waiting out an outage (the watch's probe)."""
+        with self._engine.connect() as connection:
+            connection.execute(select(1))
 
     @contextmanager
     def _writing(self) -> Iterator[Session]:
@@ -98,28 +107,31 @@ class StoreBase:
             return list(s.scalars(query.limit(limit).offset(offset))), total
 
 
-def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """`method`, reporting how long each call took to its store's `observe`, if set."""
+def _guarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, waiting out a database outage (tried again whole: it is one transaction) and reporting how
+    long each call took, waits included, to its store's `observe`, if set."""
 
     @functools.wraps(method)
-    def timed(self: StoreBase, *args: Any, **kwargs: Any) -> Any:
+    def guarded(self: StoreBase, *args: Any, **kwargs: Any) -> Any:
+        call = functools.partial(method, self, *args, **kwargs)
         observe = self.observe
         if observe is None:
-            return method(self, *args, **kwargs)
+            return self.reachability.call(call)
         start = time.perf_counter()
         try:
-            return method(self, *args, **kwargs)
+            return self.reachability.call(call)
         finally:
             observe(name, time.perf_counter() - start)
 
-    return timed
+    return guarded
 
 
 def time_calls(store_class: type[StoreBase]) -> None:
-    """Make every public method `store_class` has, its query classes' included, report its duration."""
+    """Make every public method `store_class` has, its query classes' included, ride out outages and report
+    its duration."""
     for klass in store_class.__mro__:
         if klass is StoreBase or not issubclass(klass, StoreBase):
             continue
         for name, method in list(vars(klass).items()):
-            if not name.startswith("_") and name != "close" and callable(method):
-                setattr(klass, name, _timed(name, method))
+            if not name.startswith("_") and name not in ("close", "ping") and callable(method):
+                setattr(klass, name, _guarded(name, method))
