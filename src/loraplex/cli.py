@@ -167,6 +167,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             tp,
         )
         engine.sampler.limits = sampling_limits(config)
+        engine.sampler.max_batch = config.max_sampling_batch
         return engine
 
     return build

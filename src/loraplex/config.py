@@ -228,6 +228,18 @@ class ServerConfig(BaseModel):
         ge=1,
         description="Samples queued or generating at once; past it asample answers 429 and the SDK resends.",
     )
+    max_sampling_batch: int = Field(
+        128,
+        ge=1,
+        description="Samples the sampler decodes at once (its batch's rows; one request's samples are never "
+        "split, so also the most one asample may ask for); more wait, tenants taking turns.",
+    )
+    max_queued_samples_per_tenant: int | None = Field(
+        None,
+        ge=1,
+        description="Samples one tenant may have queued or generating at once (429 past it); default: "
+        "--max-queued-samples. Tenants take turns either way.",
+    )
     future_retention_s: float = Field(
         86400.0,
         gt=0,

@@ -181,6 +181,11 @@ class Engine(ABC):
     def has_sampling_work(self) -> bool:
         """Whether any sampling request is waiting or generating (step_sampler has work to do)."""
 
+    def sampling_rows(self) -> int:
+        """Rows (samples) the engine decodes at once across its samplers: handing it more only makes them
+        wait inside it, first come first served, where the runtime can no longer order them fairly."""
+        return 2**31
+
     def usage(self) -> EngineUsage:
         """Telemetry counters and gauges (see EngineUsage); an engine that keeps none reports zeros."""
         return EngineUsage()

@@ -284,6 +284,10 @@ class LocalEngine(Engine):
         """Whether a sampling request is waiting or generating."""
         return self.sampler.has_work()
 
+    def sampling_rows(self) -> int:
+        """The sampler's decode batch (--max-sampling-batch rows)."""
+        return self.sampler.max_batch
+
     def parameter_bytes(self) -> ParameterBytes:
         """The bytes this engine's tensors hold by kind: the base model, the slots' weights, and their
         optimizer state with the undo buffer's copy of gradients (sizes only: no sync, no copy)."""

@@ -54,7 +54,7 @@ class Runtime:
         # On /metrics from the start, not from the engine loop's first cycle (its threads are not running).
         self.telemetry.record_usage(engine.usage())
         store.observe = self.telemetry.record_db_call
-        self.state = SharedState(config.max_queued_samples)
+        self.state = SharedState(config.max_queued_samples, config.max_queued_samples_per_tenant)
         self.futures = FutureTable(
             store, config.future_retention_s, config.long_poll_s, telemetry=self.telemetry
         )

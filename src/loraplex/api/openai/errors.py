@@ -57,6 +57,8 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
         response = error_response(status, str(error))
     if isinstance(error, UserError):  # the openai client honours it: retrying a bad request fails again
         response.headers["x-should-retry"] = "false"
+    if (retry_after_s := getattr(error, "retry_after_s", None)) is not None:
+        response.headers["Retry-After"] = str(retry_after_s)
     return response
 
 

@@ -283,6 +283,10 @@ class DistributedEngine(Engine):
             return False
         return self._on_sampling_groups({group: CancelSample(key)})[group]  # type: ignore[return-value]
 
+    def sampling_rows(self) -> int:
+        """Every sampling group's decode batch (each group samples on its own devices)."""
+        return len(self._sampling_groups) * self.local.sampling_rows()
+
     def has_sampling_work(self) -> bool:
         """Whether any sampling group holds a request (each request until it finishes or is cancelled)."""
         return bool(self._sample_group)

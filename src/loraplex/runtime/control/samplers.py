@@ -75,14 +75,23 @@ class SamplerService:
 
     @property
     def max_queued_samples(self) -> int:
-        """Samples the queue holds at most (--max-queued-samples)."""
-        return self.state.samples.max_queued_samples
+        """Samples the queue holds at most for one tenant (--max-queued-samples, or the per-tenant limit)."""
+        samples = self.state.samples
+        return min(samples.max_queued_samples, samples.max_queued_samples_per_tenant)
 
-    def reserve(self, num_samples: int) -> SampleRoom:
-        """Room for several requests' samples at once (all or nothing: SamplingBackpressureError, 429, if
-        they do not fit), for `sample(..., room=)`; `release` what is left once they are all queued."""
+    @property
+    def queue_limit_flag(self) -> str:
+        """The flag that sets `max_queued_samples`."""
+        samples = self.state.samples
+        is_tenant_limit = samples.max_queued_samples_per_tenant < samples.max_queued_samples
+        return "--max-queued-samples-per-tenant" if is_tenant_limit else "--max-queued-samples"
+
+    def reserve(self, num_samples: int, tenant: str) -> SampleRoom:
+        """Room for several of a tenant's requests' samples at once (all or nothing:
+        SamplingBackpressureError, 429, if they do not fit), for `sample(..., room=)`; `release` what is
+        left once they are all queued."""
         with self.state.cond:
-            return self.state.samples.reserve_room(num_samples)
+            return self.state.samples.reserve_room(num_samples, tenant)
 
     def release(self, room: SampleRoom) -> None:
         """Give back what no request took of `room`."""
@@ -120,7 +129,7 @@ class SamplerService:
         if sampler.export_from is not None:
             export_owner = owner_digest(self.catalog.readable_checkpoint(tenant, sampler.export_from).owner)
         own_room = room is None
-        room = self.reserve(request.num_samples) if room is None else room
+        room = self.reserve(request.num_samples, tenant) if room is None else room
         record = self.futures.new(tenant, "Sample")
         try:
             self.futures.persist_sample(record, sampler_id, seq_id)

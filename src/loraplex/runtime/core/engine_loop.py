@@ -77,7 +77,7 @@ class EngineLoop:
                 now = time.monotonic()
                 plan = self.scheduler.plan(list(self.state.active.values()), now)
                 cancels = self.state.samples.take_cancels()  # first: cancelled arrivals skip the engine
-                arrivals = self.state.samples.take_waiting()
+                arrivals = self.state.samples.take_waiting(self.engine.sampling_rows())
                 if not plan and not cancels and not arrivals and not self.engine.has_sampling_work():
                     wake_at = self.scheduler.wake_at
                     with self.meter.state(IDLE if wake_at is None else HELD):

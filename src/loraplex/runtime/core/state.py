@@ -23,11 +23,11 @@ from loraplex.runtime.observability.telemetry import Occupancy, queue_kind
 class SharedState:
     """Runs and sampling work, shared under `cond`'s lock."""
 
-    def __init__(self, max_queued_samples: int) -> None:
+    def __init__(self, max_queued_samples: int, max_queued_samples_per_tenant: int | None = None) -> None:
         self.cond = threading.Condition()
         self.runs: dict[str, RunState] = {}  # every run this server knows
         self.active: dict[str, RunState] = {}  # the runs the scheduler looks at: resident or with commands
-        self.samples = SampleQueue(max_queued_samples)
+        self.samples = SampleQueue(max_queued_samples, max_queued_samples_per_tenant)
 
     def run(self, run_id: str) -> RunState | None:
         """A known run, or None."""

@@ -174,7 +174,7 @@ class InferenceService:
         if generation.top_logprobs and generation.is_sampled:
             for prompt in generation.prompts:
                 self._check_room_to_score(prompt, generation.params)
-        queued = QueuedRequests(self.samplers, self.samplers.reserve(num_samples))
+        queued = QueuedRequests(self.samplers, self.samplers.reserve(num_samples, tenant))
         tasks = [
             asyncio.ensure_future(self._complete(tenant, model_path, codec, prompt, generation, queued))
             for prompt in generation.prompts
@@ -202,7 +202,8 @@ class InferenceService:
             scoring = " x 2 (top logprobs score each choice once more)" if is_scored else ""
             raise UserError(
                 f"{len(generation.prompts)} prompts x n={generation.n}{scoring} = {needed} samples, over "
-                f"the {limit} this server queues at once (--max-queued-samples); send fewer prompts or "
+                f"the {limit} this server queues at once ({self.samplers.queue_limit_flag}); send fewer "
+                "prompts or "
                 "a smaller n"
             )
         return needed
