@@ -27,6 +27,7 @@ from loraplex.engine.losses import LossBatch, compute_loss, is_per_token_loss, p
 from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
+from loraplex.model.host_copy import to_device
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 
@@ -93,13 +94,13 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
     lengths = [len(d.tokens) for d in datums]
     packing = PackedSequences.from_lengths(lengths, device)
     routing = LoRARouting.from_sequences(lengths, [p.request.slot for p in placed for _ in p.request.datums])
-    tokens_T = torch.from_numpy(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]))
-    hidden_TD = decoder(tokens_T.to(device), packing, routing)
+    tokens_T = to_device(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]), device)
+    hidden_TD = decoder(tokens_T, packing, routing)
 
     def head_fn(hidden_CD: Tensor, start: int, end: int) -> Tensor:
         return decoder.lm_head(hidden_CD, routing.slice(start, end))
 
-    targets = _padded_targets(placed).to(device)
+    targets = to_device(_padded_targets(placed), device)
     batches = [
         pack_loss_inputs(p.request.loss_fn, p.config, [d.loss_fn_inputs for d in p.request.datums], device)
         for p in placed
@@ -176,8 +177,8 @@ def _slice_batch(batch: LossBatch, start: int, end: int) -> LossBatch:
     return LossBatch(inputs, batch.seq_index_T[start:end] - first, lengths)
 
 
-def _padded_targets(placed: list[_Placed]) -> Tensor:
-    """All packed targets as one (T, K) int64 tensor; narrower rows padded with token 0 (ignored)."""
+def _padded_targets(placed: list[_Placed]) -> np.ndarray:
+    """All packed targets as one (T, K) int64 array; narrower rows padded with token 0 (ignored)."""
     width = max(p.width or 1 for p in placed)
     rows = []
     for p in placed:
@@ -185,7 +186,7 @@ def _padded_targets(placed: list[_Placed]) -> Tensor:
             targets = np.asarray(datum.loss_fn_inputs["target_tokens"], dtype=np.int64)
             targets = targets.reshape(len(datum.tokens), -1)
             rows.append(np.pad(targets, ((0, 0), (0, width - targets.shape[1]))))
-    return torch.from_numpy(np.concatenate(rows))
+    return np.concatenate(rows)
 
 
 def _to_result(
