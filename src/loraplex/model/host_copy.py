@@ -17,11 +17,12 @@ from torch import Tensor
 
 def to_device(host: np.ndarray | Tensor, device: torch.device | str | None) -> Tensor:
     """`host` (a numpy array, shared, or a CPU tensor) as a tensor on `device` (None: left on the host),
-    copied through pinned memory without blocking on CUDA; on the CPU no copy is made."""
+    copied through pinned memory without blocking on CUDA; on the CPU no copy is made (nor for a tensor
+    already on `device`)."""
     # from_numpy shares the array's memory, which must be writable (a copy if it is not).
     tensor = torch.from_numpy(np.require(host, requirements="W")) if isinstance(host, np.ndarray) else host
     if device is None:
         return tensor
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and tensor.device.type == "cpu":
         tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
