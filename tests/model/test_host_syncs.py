@@ -38,12 +38,14 @@ aten = torch.ops.aten
 # The reads the engine makes on purpose, once its compute is queued: 'file:function' (HostSync.function)
 # -> where the function lives.
 READBACKS: dict[str, tuple[object, str]] = {
-    # each request's logprobs, losses and metrics, at the end of a pass
-    "passes.py:_to_result": (passes, "_to_result"),
+    # every request's logprobs, losses and metrics, in one copy at the end of a pass
+    "passes.py:_to_results": (passes, "_to_results"),
     # a MoE model's expert load, once per forward (a dense model has none)
     "local.py:add_expert_load": (PassMetrics, "add_expert_load"),
     # a sampler step's drawn tokens and their logprobs, to check stops and append
     "generation.py:_read_back": (generation, "_read_back"),
+    # a prefill's prompt scores, a chunk at a time (patched where the sampler calls it)
+    "prompt_scores.py:score_prompt": (generation, "score_prompt"),
 }
 PASS_KINDS = ["per_token_losses_backward_inside_the_chunked_lm_head", "a_sequence_loss_backward_after_it"]
 VOCAB = 128  # of the MoE model; the tiny model's is larger
@@ -193,8 +195,9 @@ def _sample(
     engine: LocalEngine, snapshot_dir: Path, check: Callable[[], AbstractContextManager[object]]
 ) -> list[HostSyncs]:
     """A prefill step and a decode step of a snapshot's two samples (top-k) beside a base-only greedy
-    request, each under the detector and `check`, once the snapshot is in the sampler's cache: its load
-    (from disk, with blocking copies of its weights) happens once per snapshot, not per step."""
+    request that also scores its prompt, each under the detector and `check`, once the snapshot is in the
+    sampler's cache: its load (from disk, with blocking copies of its weights) happens once per snapshot,
+    not per step."""
     engine.save_snapshot(0, snapshot_dir)
     engine.add_sample(
         "load", SampleRequest(np.arange(30, 33), SamplingParams(max_tokens=1), snapshot=snapshot_dir)
@@ -203,9 +206,15 @@ def _sample(
     keep_going = {"max_tokens": 8, "stop": ()}
     top_k = SamplingParams(temperature=1.0, top_k=5, seed=1, **keep_going)
     engine.add_sample("snapshot_top_k", SampleRequest(np.arange(40, 45), top_k, 2, snapshot=snapshot_dir))
-    engine.add_sample(
-        "base_greedy", SampleRequest(np.arange(50, 53), SamplingParams(temperature=0.0, **keep_going))
+    named_ids = np.array([[-1, -1], [7, -1], [8, 9], [-1, 3], [4, 5]])  # the first row names none
+    scored = SampleRequest(
+        np.arange(50, 56),
+        SamplingParams(temperature=0.0, **keep_going),
+        prompt_logprobs=True,
+        topk_prompt_logprobs=2,
+        target_prompt_ids=named_ids,
     )
+    engine.add_sample("base_greedy_scored", scored)
     steps = []
     for _ in ("prefill", "decode"):
         with host_syncs() as found, check():
@@ -222,14 +231,16 @@ def _functions(found: HostSyncs) -> set[str]:
 @pytest.mark.parametrize("second_loss", ["importance_sampling", "gspo"], ids=PASS_KINDS)
 def test_a_training_pass_reads_back_only_its_results(engine: LocalEngine, second_loss: str) -> None:
     found = _train(engine, second_loss, nullcontext)
-    is_moe = engine.decoder.expert_load() is not None
-    assert _functions(found) == {"passes.py:_to_result"} | ({"local.py:add_expert_load"} if is_moe else set())
+    expert_load = {"local.py:add_expert_load"} if engine.decoder.expert_load() is not None else set()
+    assert _functions(found) == {"passes.py:_to_results"} | expert_load
     assert aten.mm.default in found.recorded_ops  # the backward's weight gradients: it ran under the detector
 
 
 def test_the_sampler_steps_read_back_only_the_drawn_tokens(engine: LocalEngine, tmp_path: Path) -> None:
-    for step, found in zip(("prefill", "decode"), _sample(engine, tmp_path, nullcontext), strict=True):
-        assert _functions(found) == {"generation.py:_read_back"}, (step, found)
+    prefill, decode = _sample(engine, tmp_path, nullcontext)
+    assert _functions(prefill) == {"generation.py:_read_back", "prompt_scores.py:score_prompt"}, prefill
+    assert _functions(decode) == {"generation.py:_read_back"}, decode
+    for found in (prefill, decode):
         assert aten.index_select.default in found.recorded_ops  # the decoder ran under the detector
 
 
@@ -273,5 +284,6 @@ def test_on_cuda_nothing_syncs_but_the_deliberate_reads(
     _train(engine, "cross_entropy", nullcontext)
     for second_loss in ("importance_sampling", "gspo"):
         assert _functions(_train(engine, second_loss, _cuda_syncs_raise)) <= set(READBACKS)
-    for found in _sample(engine, tmp_path / "snapshot", _cuda_syncs_raise):
-        assert _functions(found) == {"generation.py:_read_back"}
+    prefill, decode = _sample(engine, tmp_path / "snapshot", _cuda_syncs_raise)
+    assert _functions(prefill) == {"generation.py:_read_back", "prompt_scores.py:score_prompt"}
+    assert _functions(decode) == {"generation.py:_read_back"}

@@ -33,6 +33,8 @@ from loraplex.model.packing import PackedSequences
 
 # Validates one request and returns its resolved loss config, or raises UserError.
 Validator = Callable[[PassRequest], dict[str, float]]
+# A request's detached outputs on the device: per-datum logprobs, per-datum losses, metrics (0-D each).
+_Outputs = tuple[list[Tensor], list[Tensor], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -114,22 +116,21 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
         if grad_TD is not None:  # None when only the lm_head's LoRA trains
             hidden_TD.backward(grad_TD)
         with torch.no_grad():
-            return [
-                _to_result(*_request_outputs(p, batch, lp_TK)[1:])
-                for p, batch in zip(placed, batches, strict=True)
-            ]
+            return _to_results(
+                [_request_outputs(p, batch, lp_TK)[1:] for p, batch in zip(placed, batches, strict=True)]
+            )
 
     lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size, decoder.vocab_shard)
     objective: list[Tensor] = []
-    per_request = []
+    per_request: list[_Outputs] = []
     for p, batch in zip(placed, batches, strict=True):
-        loss_T, *outputs = _request_outputs(p, batch, lp_TK)
+        loss_T, lps, losses, metrics = _request_outputs(p, batch, lp_TK)
         if not p.request.forward_only:
             objective.append(loss_T.sum())
-        per_request.append(outputs)
+        per_request.append((lps, losses, metrics))
     if is_training:
         torch.stack(objective).sum().backward()
-    return [_to_result(*outputs) for outputs in per_request]
+    return _to_results(per_request)
 
 
 def _request_lp(p: _Placed, lp_TK: Tensor, start: int, end: int) -> Tensor:
@@ -189,12 +190,17 @@ def _padded_targets(placed: list[_Placed]) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def _to_result(
-    lp_per_datum: list[Tensor], loss_per_datum: list[Tensor], metrics: dict[str, Tensor]
-) -> PassResult:
-    outputs = [
-        {"logprobs": lp.float().cpu().numpy(), "elementwise_loss": loss.float().cpu().numpy()}
-        for lp, loss in zip(lp_per_datum, loss_per_datum, strict=True)
-    ]
-    values = torch.stack([m.float() for m in metrics.values()]).cpu().tolist()  # one host sync
-    return PassResult(outputs, dict(zip(metrics, values, strict=True)))
+def _to_results(per_request: Sequence[_Outputs]) -> list[PassResult]:
+    """Each request's (per-datum logprobs, per-datum losses, metrics) read back to the host in one copy,
+    the pass's one host sync, after all its device work is queued."""
+    tensors = [t for lps, losses, metrics in per_request for t in (*lps, *losses, *metrics.values())]
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().numpy()
+    values = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
+    results = []
+    for lps, losses, metrics in per_request:
+        lp_arrays = [next(values).reshape(lp.shape) for lp in lps]
+        loss_arrays = [next(values).reshape(loss.shape) for loss in losses]
+        pairs = zip(lp_arrays, loss_arrays, strict=True)
+        outputs = [{"logprobs": lp, "elementwise_loss": loss} for lp, loss in pairs]
+        results.append(PassResult(outputs, {name: float(next(values)[0]) for name in metrics}))
+    return results

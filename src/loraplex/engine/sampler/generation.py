@@ -320,7 +320,7 @@ class Sampler:
             first=1 if last_n is None else max(1, len(prompt_P) - last_n),
             want_logprobs=request.prompt_logprobs,
             top_k=request.topk_prompt_logprobs,
-            target_ids_RT=None if targets is None else to_device(np.asarray(targets), prompt_P.device),
+            target_ids_RT=None if targets is None else np.asarray(targets, dtype=np.int64),
             alt_uniforms_RA=job.alt_uniforms_RA,
             temperature=request.params.temperature,
         )
