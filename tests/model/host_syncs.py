@@ -11,8 +11,9 @@ Rules, by what the host waits for:
   `argwhere` and one-argument `where`), `masked_select`, `index` / `index_put_` with a boolean mask,
   every `unique`, `bincount` (it reads the ids' min and max), `repeat_interleave` without `output_size`;
 - a blocking copy from the host: `Tensor.to` or `.cuda` naming a device without `non_blocking=True`,
-  and `torch.tensor` / `torch.as_tensor` with a device (torch makes these copies blocking, and a CUDA
-  copy from pageable memory syncs the stream); `copy_` and `_to_copy` between two devices;
+  `torch.tensor` / `as_tensor` / `asarray` with a device, and `Tensor.new_tensor` of host data (torch
+  makes these copies blocking, and a CUDA copy from pageable memory syncs the stream); `copy_` and
+  `_to_copy` between two devices;
 - a kernel CUDA lacks: `_grouped_mm` of operands not in bf16, which CUDA runs as a loop of matmuls
   reading each group's offset back.
 
@@ -58,7 +59,7 @@ _SYNCING_OPS: dict[Any, str] = {
 }
 _HOST_READS = {"tolist", "numpy", "__array__", "cpu"}
 _DEVICE_MOVES = {"to", "cuda"}
-_HOST_COPIES_TO_DEVICE = {"tensor", "as_tensor"}
+_HOST_COPIES_TO_DEVICE = {"tensor", "as_tensor", "asarray"}
 _OUR_CODE = str(Path(__file__).resolve().parents[2])
 
 
@@ -165,6 +166,8 @@ def _call_reason(name: str, args: tuple, kwargs: dict) -> str | None:
         return "blocking copy to a device (from pageable memory: syncs the stream)"
     if name in _HOST_COPIES_TO_DEVICE and kwargs.get("device") is not None:
         return "blocking copy from host data to a device"
+    if name == "new_tensor" and not isinstance(args[1], torch.Tensor):
+        return "blocking copy from host data to the tensor's device"
     return None
 
 

@@ -23,7 +23,14 @@ import torch
 from loraplex.engine import passes
 from loraplex.engine.local import LocalEngine, PassMetrics, build_local_engine
 from loraplex.engine.sampler import generation
-from loraplex.engine.types import DatumInput, LoraConfig, PassRequest, SampleRequest, SamplingParams
+from loraplex.engine.types import (
+    AdamParams,
+    DatumInput,
+    LoraConfig,
+    PassRequest,
+    SampleRequest,
+    SamplingParams,
+)
 from loraplex.model.grouped_mm import grouped_mm
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.host_copy import to_device
@@ -86,6 +93,8 @@ SYNCING: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
     "to_another_tensors_device": (lambda x: x.to(x), "to"),
     "tensor_on_a_device": (lambda x: torch.tensor([1.0], device=x.device), "tensor"),
     "as_tensor_on_a_device": (lambda x: torch.as_tensor([1.0], device=x.device), "as_tensor"),
+    "asarray_on_a_device": (lambda x: torch.asarray([1.0], device=x.device), "asarray"),
+    "new_tensor_of_host_data": (lambda x: x.new_tensor([1.0, 2.0]), "new_tensor"),
     "grouped_mm_in_fp32": (
         lambda x: torch._grouped_mm(torch.ones(4, 4), torch.ones(2, 4, 4), offs=torch.tensor([2, 4]).int()),
         "aten._grouped_mm.default",
@@ -234,6 +243,16 @@ def test_a_training_pass_reads_back_only_its_results(engine: LocalEngine, second
     expert_load = {"local.py:add_expert_load"} if engine.decoder.expert_load() is not None else set()
     assert _functions(found) == {"passes.py:_to_results"} | expert_load
     assert aten.mm.default in found.recorded_ops  # the backward's weight gradients: it ran under the detector
+
+
+def test_an_optimizer_step_reads_back_only_its_grad_norms(engine: LocalEngine) -> None:
+    """Once per step, for its metrics and its non-finite skips (engine/optimizer.py prepare_slots)."""
+    _train(engine, "importance_sampling", nullcontext)
+    clipped = AdamParams(learning_rate=1e-3, grad_clip_norm=0.1)
+    with host_syncs() as found:
+        engine.optim_step({0: AdamParams(learning_rate=1e-3), 1: clipped})
+    assert [(sync.function, sync.op) for sync in found] == [("optimizer.py:prepare_slots", "tolist")]
+    assert aten._fused_adamw_.default in found.recorded_ops
 
 
 def test_the_sampler_steps_read_back_only_the_drawn_tokens(engine: LocalEngine, tmp_path: Path) -> None:
