@@ -19,13 +19,15 @@ Rules, by what the host waits for:
 
 Limits, since on a CPU every tensor lives on the host:
 - torch ops on tensors built on the host (packing metadata, index lists) look like device ops and are
-  flagged; so host-side metadata is built with numpy or Python, and torch holds device tensors only.
+  flagged, as are reads of results already copied to the host (`.numpy()` after `.cpu()`); so host-side
+  metadata is built with numpy or Python, and torch holds device tensors only.
 - A copy is recognised by its call, not by its devices: `.to(device)` of a tensor already on the device
   (a no-op on CUDA) is flagged, `dst.copy_(host_tensor)` into a device tensor is not seen, and
   `non_blocking=True` is taken as asynchronous, which on CUDA it is only from pinned memory
   (`loraplex.model.host_copy.to_device` pins).
 - What is not dispatched as an aten op, or syncs inside a kernel under a name not listed above, is not
-  seen; a compiled graph is seen as the ops it runs eagerly on the CPU.
+  seen; a compiled graph is seen as the ops it runs eagerly on the CPU. An op the autograd engine runs
+  on a worker thread (a CUDA backward) is seen, but `where` may then name no frame of ours.
 `torch.cuda.set_sync_debug_mode("error")` is the check on a GPU (the `gpu`-marked tests).
 """
 
