@@ -4,8 +4,10 @@ The detector (tests/model/host_syncs.py) first finds each op it forbids in a tin
 passes their sync-free spellings, so that an empty finding means something. Then, on the built-in tiny
 dense model (fp32, as the engine runs on CPUs) and on a tiny bf16 Qwen3-MoE, with two slots attached
 and packed sequences of several lengths, a training pass (per-token losses, whose lm_head backward runs
-inside the chunked forward, and a sequence-level one) and the sampler's steps (prefill and decode, a
-snapshot's rows beside base-only ones) find nothing but the deliberate reads listed in `READBACKS`.
+inside the chunked forward, and a sequence-level one) and the sampler's steps (a prefill that also scores
+a prompt, and a decode, a snapshot's rows beside base-only ones) find nothing but the deliberate reads
+listed in `READBACKS`, and an optimizer step nothing but its grad norms. On a GPU, torch's own sync check
+confirms it (`test_on_cuda_nothing_syncs_but_the_deliberate_reads`).
 """
 
 from __future__ import annotations
