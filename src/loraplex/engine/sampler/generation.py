@@ -397,8 +397,9 @@ class Sampler:
 
 
 def _read_back(tokens_B: Tensor, logprobs_B: Tensor) -> tuple[list[int], list[float]]:
-    """The drawn tokens and their logprobs on the host, where stops are checked: a step's one host sync
-    (tests/model/test_host_syncs.py checks that nothing else syncs)."""
+    """The drawn tokens and their logprobs on the host, where stops are checked: where a step waits for
+    the device, once (the second copy finds it idle); tests/model/test_host_syncs.py checks that nothing
+    else in the step syncs."""
     return tokens_B.tolist(), logprobs_B.tolist()
 
 
