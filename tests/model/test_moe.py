@@ -15,7 +15,7 @@ from loraplex.model.decoder import Decoder
 from loraplex.model.grouped_mm import grouped_mm, grouped_mm_reference
 from loraplex.model.hf_checkpoint import load_decoder, to_hf_layout
 from loraplex.model.kv_cache import KVCache
-from loraplex.model.moe import SparseMoE, sparse_moe_reference
+from loraplex.model.moe import SparseMoE, count_ids, sparse_moe_reference
 from loraplex.model.multi_lora import LoRARouting, Segment
 from loraplex.model.packing import PackedSequences
 from tests.model.float64 import float64_copy, float64_experts
@@ -215,6 +215,18 @@ ROUTING = LoRARouting(
     )
 )
 RANKS = {0: 1, 1: 4, 2: 3}
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[], [3], [0, 0, 0], [5, 1, 5, 5, 0, 1, 7, 7], list(range(8))],
+    ids=["empty", "one", "one_id_repeated", "some_ids_absent", "each_id_once"],
+)
+def test_count_ids_counts_as_bincount_does(ids: list[int]) -> None:
+    ids_N = torch.tensor(ids, dtype=torch.int64)
+    counts = count_ids(ids_N, 8)
+    assert counts.dtype == torch.int64
+    assert counts.tolist() == torch.bincount(ids_N, minlength=8).tolist()
 
 
 def random_block(seed: int = 0) -> SparseMoE:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from loraplex.engine.types import PassRequest
 from loraplex.errors import UserError
+from loraplex.model.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -402,10 +403,8 @@ def pack_loss_inputs(
     spec = _spec(loss_fn)
     canonical = [_canonical_inputs(spec, inputs, config) for inputs in datum_inputs]
     lengths = tuple(datum["target_tokens"].shape[0] for datum in canonical)
-    inputs = {
-        key: torch.from_numpy(np.concatenate([d[key] for d in canonical])).to(device) for key in canonical[0]
-    }
-    seq_index_T = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    inputs = {key: to_device(np.concatenate([d[key] for d in canonical]), device) for key in canonical[0]}
+    seq_index_T = to_device(np.repeat(np.arange(len(lengths), dtype=np.int64), lengths), device)
     return LossBatch(inputs, seq_index_T, lengths)
 
 

@@ -22,11 +22,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from loraplex.engine.types import AdamParams
+from loraplex.model.host_copy import to_device
 from loraplex.model.tensor_parallel import SINGLE, TensorParallel, collective
 
 # clip_grad_norm_'s guard in coef = max_norm / (total_norm + eps); kept identical for parity.
@@ -161,12 +163,12 @@ def prepare_slots(steps: Sequence[tuple[AdamSlot, AdamParams]], tp: TensorParall
         norm_S = torch.stack([_grad_norm(slot) for slot in slots])
     found_inf_S = norm_S.isfinite().logical_not().float()
     # clip_grad_norm_'s coef = max_norm / (norm + eps), at most 1; the kernel divides by 1 / coef.
-    clip_S = norm_S.new_tensor([hp.grad_clip_norm for hp in params])
+    clip_S = to_device(np.array([hp.grad_clip_norm for hp in params], dtype=np.float32), norm_S.device)
     grad_scale_S = ((norm_S + _CLIP_EPS) / clip_S).clamp(min=1.0)
     # What the kernel reads as the step count; torch.optim.AdamW(fused=True) also advances it first.
-    steps_S = norm_S.new_tensor([slot.step + 1 for slot in slots])
+    steps_S = to_device(np.array([slot.step + 1 for slot in slots], dtype=np.float32), norm_S.device)
     metrics: list[dict[str, float]] = []
-    for hp, norm in zip(params, norm_S.tolist(), strict=True):
+    for hp, norm in zip(params, norm_S.tolist(), strict=True):  # the step's one host sync
         metrics.append({"grad_norm": norm, "learning_rate": hp.learning_rate})
         if not math.isfinite(norm):
             metrics[-1]["skipped_nonfinite"] = 1.0

@@ -27,11 +27,14 @@ from loraplex.engine.losses import LossBatch, compute_loss, is_per_token_loss, p
 from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
+from loraplex.model.host_copy import to_device
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 
 # Validates one request and returns its resolved loss config, or raises UserError.
 Validator = Callable[[PassRequest], dict[str, float]]
+# A request's detached outputs on the device: per-datum logprobs, per-datum losses, metrics (0-D each).
+_Outputs = tuple[list[Tensor], list[Tensor], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,13 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
     lengths = [len(d.tokens) for d in datums]
     packing = PackedSequences.from_lengths(lengths, device)
     routing = LoRARouting.from_sequences(lengths, [p.request.slot for p in placed for _ in p.request.datums])
-    tokens_T = torch.from_numpy(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]))
-    hidden_TD = decoder(tokens_T.to(device), packing, routing)
+    tokens_T = to_device(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]), device)
+    hidden_TD = decoder(tokens_T, packing, routing)
 
     def head_fn(hidden_CD: Tensor, start: int, end: int) -> Tensor:
         return decoder.lm_head(hidden_CD, routing.slice(start, end))
 
-    targets = _padded_targets(placed).to(device)
+    targets = to_device(_padded_targets(placed), device)
     batches = [
         pack_loss_inputs(p.request.loss_fn, p.config, [d.loss_fn_inputs for d in p.request.datums], device)
         for p in placed
@@ -113,22 +116,21 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
         if grad_TD is not None:  # None when only the lm_head's LoRA trains
             hidden_TD.backward(grad_TD)
         with torch.no_grad():
-            return [
-                _to_result(*_request_outputs(p, batch, lp_TK)[1:])
-                for p, batch in zip(placed, batches, strict=True)
-            ]
+            return _to_results(
+                [_request_outputs(p, batch, lp_TK)[1:] for p, batch in zip(placed, batches, strict=True)]
+            )
 
     lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size, decoder.vocab_shard)
     objective: list[Tensor] = []
-    per_request = []
+    per_request: list[_Outputs] = []
     for p, batch in zip(placed, batches, strict=True):
-        loss_T, *outputs = _request_outputs(p, batch, lp_TK)
+        loss_T, lps, losses, metrics = _request_outputs(p, batch, lp_TK)
         if not p.request.forward_only:
             objective.append(loss_T.sum())
-        per_request.append(outputs)
+        per_request.append((lps, losses, metrics))
     if is_training:
         torch.stack(objective).sum().backward()
-    return [_to_result(*outputs) for outputs in per_request]
+    return _to_results(per_request)
 
 
 def _request_lp(p: _Placed, lp_TK: Tensor, start: int, end: int) -> Tensor:
@@ -176,8 +178,8 @@ def _slice_batch(batch: LossBatch, start: int, end: int) -> LossBatch:
     return LossBatch(inputs, batch.seq_index_T[start:end] - first, lengths)
 
 
-def _padded_targets(placed: list[_Placed]) -> Tensor:
-    """All packed targets as one (T, K) int64 tensor; narrower rows padded with token 0 (ignored)."""
+def _padded_targets(placed: list[_Placed]) -> np.ndarray:
+    """All packed targets as one (T, K) int64 array; narrower rows padded with token 0 (ignored)."""
     width = max(p.width or 1 for p in placed)
     rows = []
     for p in placed:
@@ -185,15 +187,20 @@ def _padded_targets(placed: list[_Placed]) -> Tensor:
             targets = np.asarray(datum.loss_fn_inputs["target_tokens"], dtype=np.int64)
             targets = targets.reshape(len(datum.tokens), -1)
             rows.append(np.pad(targets, ((0, 0), (0, width - targets.shape[1]))))
-    return torch.from_numpy(np.concatenate(rows))
+    return np.concatenate(rows)
 
 
-def _to_result(
-    lp_per_datum: list[Tensor], loss_per_datum: list[Tensor], metrics: dict[str, Tensor]
-) -> PassResult:
-    outputs = [
-        {"logprobs": lp.float().cpu().numpy(), "elementwise_loss": loss.float().cpu().numpy()}
-        for lp, loss in zip(lp_per_datum, loss_per_datum, strict=True)
-    ]
-    values = torch.stack([m.float() for m in metrics.values()]).cpu().tolist()  # one host sync
-    return PassResult(outputs, dict(zip(metrics, values, strict=True)))
+def _to_results(per_request: Sequence[_Outputs]) -> list[PassResult]:
+    """Each request's (per-datum logprobs, per-datum losses, metrics) read back to the host in one copy,
+    the pass's one host sync, after all its device work is queued."""
+    tensors = [t for lps, losses, metrics in per_request for t in (*lps, *losses, *metrics.values())]
+    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().numpy()
+    values = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
+    results = []
+    for lps, losses, metrics in per_request:
+        lp_arrays = [next(values).reshape(lp.shape) for lp in lps]
+        loss_arrays = [next(values).reshape(loss.shape) for loss in losses]
+        pairs = zip(lp_arrays, loss_arrays, strict=True)
+        outputs = [{"logprobs": lp, "elementwise_loss": loss} for lp, loss in pairs]
+        results.append(PassResult(outputs, {name: float(next(values)[0]) for name in metrics}))
+    return results

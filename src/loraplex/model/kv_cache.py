@@ -29,11 +29,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from loraplex.model.attention import decode_attention, packed_attention
 from loraplex.model.config import DecoderConfig
+from loraplex.model.host_copy import to_device
 from loraplex.model.packing import PackedSequences
 from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 
@@ -148,7 +150,7 @@ class KVCache:
                 raise ValueError(f"row {row} is not empty or was not allocated for {length} tokens")
         device = self._factory["device"]
         packing = PackedSequences.from_lengths(lengths, device)
-        rows_T = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor(lengths)).to(device)
+        rows_T = to_device(np.repeat(np.array(rows, dtype=np.int64), lengths), device)
         for row, length in zip(rows, lengths, strict=True):
             self._lengths[row] = length
         return PrefillStep(self, packing, rows_T)
@@ -165,14 +167,13 @@ class KVCache:
         device = self._factory["device"]
         num_rows = max(rows) + 1
         # Rows outside the step (free or idle) see position 0 only, so their discarded outputs stay finite.
-        visible_R = torch.tensor([max(1, length or 0) for length in self._lengths[:num_rows]])
-        span = int(visible_R.max())
-        is_visible_RL = (torch.arange(span)[None, :] < visible_R[:, None]).to(device)
+        visible_R = np.array([max(1, length or 0) for length in self._lengths[:num_rows]])
+        is_visible_RL = np.arange(visible_R.max())[None, :] < visible_R[:, None]
         return DecodeStep(
             self,
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            is_visible_RL,
+            to_device(np.array(rows, dtype=np.int64), device),
+            to_device(np.array(positions, dtype=np.int64), device),
+            to_device(is_visible_RL, device),
         )
 
     def write(self, layer: int, rows_T: Tensor, positions_T: Tensor, k_TKH: Tensor, v_TKH: Tensor) -> None:

@@ -75,11 +75,12 @@ class ExpertGroups:
     def build(
         cls, experts_TP: Tensor, routing: LoRARouting | None, num_experts: int, held: Split | None = None
     ) -> ExpertGroups:
-        """Sort by expert (stable, so each expert's rows keep token order); no host sync. `held`: the
-        experts this rank holds under expert parallelism (None: all of them)."""
+        """Sort by expert (stable, so each expert's rows keep token order), counting on the device and
+        reading nothing back from it (the slots' token index comes from `LoRARouting.token_slots`, built
+        once per routing). `held`: the experts this rank holds under expert parallelism (None: all)."""
         picks = experts_TP.shape[1]
         experts_N = experts_TP.reshape(-1)
-        load_E = torch.bincount(experts_N, minlength=num_experts)
+        load_E = count_ids(experts_N, num_experts)
         keys_N, counts_E, num_held = experts_N, load_E, num_experts
         if held is not None:
             # Expert ids rotated so that the held ones come first, in order: their rows lead the sort.
@@ -96,7 +97,7 @@ class ExpertGroups:
         # Stable: a slot's rows stay in sorted order, so they come grouped by expert.
         by_slot_N = torch.argsort(slot_N, stable=True)
         pairs_N = slot_N * num_experts + keys_N.index_select(0, order_N)
-        counts_SE = torch.bincount(pairs_N, minlength=(base + 1) * num_experts).view(base + 1, num_experts)
+        counts_SE = count_ids(pairs_N, (base + 1) * num_experts).view(base + 1, num_experts)
         offsets_SH = counts_SE[:base, :num_held].cumsum(1).to(torch.int32)
         sizes = [picks * n for n in num_tokens]
         rows = by_slot_N[: sum(sizes)].split(sizes)
@@ -105,6 +106,15 @@ class ExpertGroups:
             for slot, rows_n, offsets_H in zip(slots, rows, offsets_SH.unbind(0), strict=True)
         )
         return cls(order_N, offsets_H, load_E, slot_rows)
+
+
+def count_ids(ids_N: Tensor, num_ids: int) -> Tensor:
+    """(num_ids,) int64: how often each id in [0, num_ids) occurs in the int64 `ids_N`, as
+    `torch.bincount(ids_N, minlength=num_ids)` counts them, without its host syncs: on CUDA bincount reads
+    the ids' min and max back to size its result, whereas integer adds into a buffer of known size read
+    nothing back (and, exact and order-free, are bitwise repeatable on GPUs too)."""
+    counts = torch.zeros(num_ids, dtype=torch.int64, device=ids_N.device)
+    return counts.scatter_add_(0, ids_N, torch.ones_like(ids_N))
 
 
 class ExpertLinear(nn.Module):

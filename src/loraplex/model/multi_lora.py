@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from loraplex.model.host_copy import to_device
 from loraplex.model.tensor_parallel import SINGLE, WHOLE, LoRASharding, Split, TensorParallel, reduce_from_tp
 
 
@@ -84,10 +86,10 @@ class LoRARouting:
         cached = self._token_slots.get(device)
         if cached is None:
             slots = tuple(dict.fromkeys(s.slot for s in self.segments if s.slot is not None))
-            lengths = torch.tensor([s.end - s.start for s in self.segments], dtype=torch.int64)
-            indices = torch.tensor([-1 if s.slot is None else slots.index(s.slot) for s in self.segments])
+            lengths = [s.end - s.start for s in self.segments]
+            indices = np.array([-1 if s.slot is None else slots.index(s.slot) for s in self.segments])
             counts = [sum(s.end - s.start for s in self.segments if s.slot == slot) for slot in slots]
-            index_T = indices.repeat_interleave(lengths).to(device)
+            index_T = to_device(indices.repeat(lengths).astype(np.int64), device)
             cached = self._token_slots[device] = TokenSlots(slots, tuple(counts), index_T)
         return cached
 

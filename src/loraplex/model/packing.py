@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from loraplex.model.host_copy import to_device
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,12 @@ class PackedSequences:
             raise ValueError(
                 f"a pack needs at least one sequence and no empty ones; got lengths {list(lengths)}"
             )
-        lengths_Q = torch.tensor(lengths, dtype=torch.int64)
-        cu_seqlens_Q1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        cu_seqlens_Q1[1:] = lengths_Q.cumsum(0)
+        # On the host, in numpy (see host_copy.py); each tensor crosses to the device once.
+        lengths_Q = np.array(lengths, dtype=np.int64)
+        cu_seqlens_Q1 = np.concatenate([[0], lengths_Q.cumsum()])
         num_tokens = int(cu_seqlens_Q1[-1])
         starts_Q = cu_seqlens_Q1[:-1]
-        positions_T = torch.arange(num_tokens) - starts_Q.repeat_interleave(lengths_Q)
+        positions_T = np.arange(num_tokens) - starts_Q.repeat(lengths_Q)
 
         distinct = sorted(set(lengths))
         if len(distinct) == 1:
@@ -66,18 +69,18 @@ class PackedSequences:
             restore_index_T = None
         else:
             index_blocks = [
-                starts_Q[lengths_Q == length][:, None] + torch.arange(length)[None, :] for length in distinct
+                starts_Q[lengths_Q == length][:, None] + np.arange(length)[None, :] for length in distinct
             ]
             groups = tuple(
-                LengthGroup(length, int(block.shape[0]), block.to(device))
+                LengthGroup(length, int(block.shape[0]), to_device(block, device))
                 for length, block in zip(distinct, index_blocks, strict=True)
             )
             # Inverse of the permutation "pack order -> group order".
-            restore_index_T = torch.argsort(torch.cat([block.flatten() for block in index_blocks])).to(device)
+            restore_index_T = to_device(np.argsort(np.concatenate([b.ravel() for b in index_blocks])), device)
         return cls(
             lengths=lengths,
-            positions_T=positions_T.to(device),
-            cu_seqlens_Q1=cu_seqlens_Q1.to(device=device, dtype=torch.int32),
+            positions_T=to_device(positions_T, device),
+            cu_seqlens_Q1=to_device(cu_seqlens_Q1.astype(np.int32), device),
             groups=groups,
             restore_index_T=restore_index_T,
         )

@@ -44,6 +44,7 @@ from loraplex.engine.sampler.validation import (
 from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
+from loraplex.model.host_copy import to_device
 from loraplex.model.kv_cache import KVCache
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.tensor_parallel import gather_vocab
@@ -290,24 +291,25 @@ class Sampler:
         """One packed forward over the admitted prompts; scores and first tokens for every sample."""
         jobs = sorted(jobs, key=lambda job: job.batch_order)
         device = self.decoder.lm_head.weight.device
-        prompts = [torch.from_numpy(np.asarray(job.request.prompt, dtype=np.int64)) for job in jobs]
+        prompts = [np.asarray(job.request.prompt, dtype=np.int64) for job in jobs]
         lengths = [len(prompt) for prompt in prompts]
         self.prefill_tokens += sum(lengths)
         snapshot_ids = [job.snapshot_id for job in jobs]
         step = self.cache.prefill([job.sequences[0].row for job in jobs], lengths)
         routing = LoRARouting.from_sequences(lengths, snapshot_ids)
-        hidden_TD = self.decoder.forward_cached(torch.cat(prompts).to(device), step, routing)
+        tokens_T = to_device(np.concatenate(prompts), device)
+        hidden_TD = self.decoder.forward_cached(tokens_T, step, routing)
 
         hidden_per_prompt = hidden_TD.split(lengths)
-        for job, prompt_P, hidden_PD in zip(jobs, prompts, hidden_per_prompt, strict=True):
+        for job, prompt_P, hidden_PD in zip(jobs, tokens_T.split(lengths), hidden_per_prompt, strict=True):
             for sequence in job.sequences[1:]:
                 self.cache.copy_prefix(job.sequences[0].row, sequence.row)
-            job.scores = self._score(job, prompt_P.to(device), hidden_PD)
+            job.scores = self._score(job, prompt_P, hidden_PD)
         last_hidden_QD = torch.stack([hidden_PD[-1] for hidden_PD in hidden_per_prompt])
         last_routing = LoRARouting.from_sequences([1] * len(jobs), snapshot_ids)
         logits_QV = self._logits(last_hidden_QD, last_routing)
         prompt_of_sample = [q for q, job in enumerate(jobs) for _ in job.sequences]
-        logits_BV = logits_QV.index_select(0, torch.tensor(prompt_of_sample, device=device))
+        logits_BV = logits_QV.index_select(0, to_device(np.array(prompt_of_sample, dtype=np.int64), device))
         self._draw(logits_BV, [sequence for job in jobs for sequence in job.sequences])
 
     def _score(self, job: _Job, prompt_P: Tensor, hidden_PD: Tensor) -> PromptScores | None:
@@ -318,7 +320,7 @@ class Sampler:
             first=1 if last_n is None else max(1, len(prompt_P) - last_n),
             want_logprobs=request.prompt_logprobs,
             top_k=request.topk_prompt_logprobs,
-            target_ids_RT=None if targets is None else torch.as_tensor(targets, device=prompt_P.device),
+            target_ids_RT=None if targets is None else np.asarray(targets, dtype=np.int64),
             alt_uniforms_RA=job.alt_uniforms_RA,
             temperature=request.params.temperature,
         )
@@ -338,7 +340,9 @@ class Sampler:
         sequences = [sequence for _, sequence in active]
         step = self.cache.decode([sequence.row for sequence in sequences])
         routing = LoRARouting.from_sequences([1] * len(active), [job.snapshot_id for job, _ in active])
-        tokens_B = torch.tensor([sequence.tokens[-1] for sequence in sequences], device=device)
+        tokens_B = to_device(
+            np.array([sequence.tokens[-1] for sequence in sequences], dtype=np.int64), device
+        )
         hidden_BD = self.decoder.forward_cached(tokens_B, step, routing)
         self._draw(self._logits(hidden_BD, routing), sequences)
 
@@ -350,7 +354,7 @@ class Sampler:
         tokens_B, logprobs_B = draw_tokens(logits_BV, [sequence.params for sequence in sequences], uniforms_B)
         self._record_top_logprobs(logits_BV, sequences)
         self.sampled_tokens += len(sequences)
-        for sequence, token, logprob in zip(sequences, tokens_B.tolist(), logprobs_B.tolist(), strict=True):
+        for sequence, token, logprob in zip(sequences, *_read_back(tokens_B, logprobs_B), strict=True):
             sequence.tokens.append(token)
             sequence.logprobs.append(logprob)
             if sequence.stops.is_stop(token):
@@ -368,7 +372,7 @@ class Sampler:
         if not rows:
             return
         width = max(sequences[b].topk_width for b in rows)
-        logits_MV = logits_BV.index_select(0, torch.tensor(rows, device=logits_BV.device))
+        logits_MV = logits_BV.index_select(0, to_device(np.array(rows, dtype=np.int64), logits_BV.device))
         ids_MK, logprobs_MK = top_logprobs(logits_MV, [sequences[b].params for b in rows], width)
         ids_MK, logprobs_MK = ids_MK.int().cpu().numpy(), logprobs_MK.cpu().numpy()
         for m, b in enumerate(rows):
@@ -390,6 +394,13 @@ class Sampler:
             prompt_alt_ids=scores.alt_ids_RA if scores else None,
             prompt_alt_logprobs=scores.alt_logprobs_RA if scores else None,
         )
+
+
+def _read_back(tokens_B: Tensor, logprobs_B: Tensor) -> tuple[list[int], list[float]]:
+    """The drawn tokens and their logprobs on the host, where stops are checked: where a step waits for
+    the device, once (the second copy finds it idle); tests/model/test_host_syncs.py checks that nothing
+    else in the step syncs."""
+    return tokens_B.tolist(), logprobs_B.tolist()
 
 
 def _is_done(job: _Job) -> bool:

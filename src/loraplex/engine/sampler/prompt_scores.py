@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from loraplex.engine.sampler.sampling import draw_alternatives
+from loraplex.model.host_copy import to_device
 
 # head_fn(hidden_CD) -> logits_CV, the output head with the request's adapter, over the whole vocabulary.
 HeadFn = Callable[[Tensor], Tensor]
@@ -33,7 +34,8 @@ class PromptAsks:
     first: int = 1  # first position whose logprob and top-k are scored (≥ 1)
     want_logprobs: bool = False
     top_k: int = 0
-    target_ids_RT: Tensor | None = None  # (R, T) int64: row r names ids to score at position r + 1; -1 none
+    # (R, T) int64 on the host: row r names ids to score at position r + 1; -1 none.
+    target_ids_RT: np.ndarray | None = None
     alt_uniforms_RA: Tensor | None = None  # (R, A) float64: one uniform per draw at position r + 1
     temperature: float = 1.0  # the draws'
 
@@ -50,7 +52,7 @@ class PromptAsks:
         if self.want_logprobs or self.top_k:
             starts.append(self.first)
         if self.target_ids_RT is not None:
-            named_rows = (self.target_ids_RT >= 0).any(-1).nonzero()
+            (named_rows,) = (self.target_ids_RT >= 0).any(-1).nonzero()  # numpy: no device sync
             starts.append(1 + int(named_rows[0]) if len(named_rows) else num_tokens)
         if self.alt_uniforms_RA is not None:
             starts.append(1)
@@ -84,7 +86,7 @@ def score_prompt(
     logprobs_P = torch.full((num_tokens,), float("nan"))
     topk_ids_PK = torch.full((num_tokens, asks.top_k), -1, dtype=torch.int32)
     topk_logprobs_PK = torch.full((num_tokens, asks.top_k), float("nan"))
-    targets = asks.target_ids_RT
+    targets = None if asks.target_ids_RT is None else to_device(asks.target_ids_RT, hidden_PD.device)
     target_logprobs_RT = torch.full((rows, 0 if targets is None else targets.shape[1]), float("nan"))
     draws = 0 if asks.alt_uniforms_RA is None else asks.alt_uniforms_RA.shape[1]
     alt_ids_RA = torch.zeros((rows, draws), dtype=torch.int32)

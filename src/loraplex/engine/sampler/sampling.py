@@ -27,10 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from loraplex.engine.types import SamplingParams
+from loraplex.model.host_copy import to_device
 
 # Prompt positions whose alternatives are drawn at once: their float64 cumulative sums take what a decode
 # step of the default batch (128 rows) takes.
@@ -50,7 +52,7 @@ def draw_tokens(
     kept ids and are renormalised; then one float64 cumulative sum and one searchsorted for all rows.
     """
     logits_BV = logits_BV.float()
-    is_greedy_B = torch.tensor([p.temperature == 0 for p in params], device=logits_BV.device)
+    is_greedy_B = to_device(np.array([p.temperature == 0 for p in params]), logits_BV.device)
     lp_BV = _sampling_logprobs(logits_BV, params)
     sampled_B = _walk_cdf(lp_BV, uniforms_B[:, None]).squeeze(1)
     tokens_B = torch.where(is_greedy_B, logits_BV.argmax(-1), sampled_B)
@@ -98,13 +100,13 @@ def _sampling_logprobs(logits_BV: Tensor, params: Sequence[SamplingParams]) -> T
     the ids a truncating row leaves out; greedy rows get the temperature-1 distribution."""
     vocab = logits_BV.shape[-1]
     device = logits_BV.device
-    temperature_B1 = torch.tensor([[p.temperature or 1.0] for p in params], device=device)
+    temperature_B1 = to_device(np.array([[p.temperature or 1.0] for p in params], dtype=np.float32), device)
     lp_BV = torch.log_softmax(logits_BV / temperature_B1, dim=-1)
     truncated = [b for b, p in enumerate(params) if p.temperature > 0 and _truncates(p, vocab)]
     if truncated:
-        index = torch.tensor(truncated, device=device)
-        top_k = torch.tensor([_top_k(params[b], vocab) for b in truncated], device=device)
-        top_p = torch.tensor([params[b].top_p for b in truncated], device=device)
+        index = to_device(np.array(truncated, dtype=np.int64), device)
+        top_k = to_device(np.array([_top_k(params[b], vocab) for b in truncated], dtype=np.int64), device)
+        top_p = to_device(np.array([params[b].top_p for b in truncated], dtype=np.float32), device)
         lp_kept = lp_BV.index_select(0, index)
         is_kept = _kept_ids(lp_kept, top_k, top_p)
         lp_kept = torch.log_softmax(lp_kept.masked_fill(~is_kept, float("-inf")), dim=-1)
@@ -118,7 +120,7 @@ def _walk_cdf(lp_BV: Tensor, uniforms_BA: Tensor) -> Tensor:
     vocab = lp_BV.shape[-1]
     probs_BV = lp_BV.double().exp()
     cdf_BV = _cumulative_probs(probs_BV)
-    targets_BA = uniforms_BA.to(device=lp_BV.device, dtype=torch.float64) * cdf_BV[:, -1:]
+    targets_BA = to_device(uniforms_BA, lp_BV.device).to(torch.float64) * cdf_BV[:, -1:]
     sampled_BA = torch.searchsorted(cdf_BV, targets_BA, right=True)
     # Rounding can put the target at the total mass: fall back to the last id that has any.
     last_kept_B1 = vocab - 1 - (probs_BV > 0).flip(-1).int().argmax(-1, keepdim=True)
