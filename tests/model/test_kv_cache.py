@@ -190,7 +190,8 @@ def test_a_row_refuses_tokens_beyond_its_allocation(decoder: Decoder) -> None:
         cache.decode([row])
 
 
-def test_decode_attention_equals_softmax_over_each_rows_prefix() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_attention_equals_softmax_over_each_rows_prefix(device: str) -> None:
     """Reference: explicit softmax(q kᵀ/√H) v per sequence over its visible slots, kv heads repeated."""
     torch.manual_seed(2)
     P, S, N, K, H = 6, 4, 4, 2, 8
@@ -213,6 +214,7 @@ def test_decode_attention_equals_softmax_over_each_rows_prefix() -> None:
             out.append(torch.einsum("nl,lnh->nh", weights, v))
         return torch.stack(out)
 
-    out = decode_attention(q, k_pool, v_pool, slots, visible)
+    on_device = (x.to(device) for x in (q, k_pool, v_pool, slots, visible))
+    out = decode_attention(*on_device)
     exact = reference(q.double(), k_pool.double(), v_pool.double())
     assert_within_rounding(out, reference(q, k_pool, v_pool), exact, "attention")
