@@ -188,7 +188,8 @@ class KVCache:
         for row, length in zip(rows, lengths, strict=True):
             self._grow(row, length)
             self._lengths[row] = length
-        slots_T = torch.cat([self._slots(row, length) for row, length in zip(rows, lengths, strict=True)])
+        is_new_QL = torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]
+        slots_T = self._slots(rows, max(lengths))[is_new_QL]  # row-major: the pack's order
         return PrefillStep(self, packing, slots_T.to(device))
 
     def decode(self, rows: Sequence[int]) -> DecodeStep:
@@ -203,7 +204,7 @@ class KVCache:
             self._grow(row, position + 1)
             self._lengths[row] = position + 1
         span = max(positions) + 1
-        slots_BL = torch.stack([self._slots(row, span) for row in rows])
+        slots_BL = self._slots(rows, span)
         is_visible_BL = torch.arange(span)[None, :] <= torch.tensor(positions)[:, None]
         # A position past its row's end reads the row's first token, which is written, so the masked-out
         # scores and values stay finite (the pool is never zeroed).
@@ -225,13 +226,14 @@ class KVCache:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
-    def _slots(self, row: int, length: int) -> Tensor:
-        """(length,) int64 pool slots of a row's first `length` positions; positions past the row's blocks
-        (a longer row's span in a decode step) read its first block again, masked out by the caller."""
-        table = self._tables[row]
-        blocks = torch.tensor(table + table[:1] * (self._blocks_for(length) - len(table)), dtype=torch.int64)
-        slots = blocks[:, None] * self.block_tokens + torch.arange(self.block_tokens)
-        return slots.flatten()[:length]
+    def _slots(self, rows: Sequence[int], span: int) -> Tensor:
+        """(len(rows), span) int64 pool slots of each row's first `span` positions, from one padded block
+        table; positions past a row's blocks read its first block again (the caller masks them out)."""
+        num_blocks = self._blocks_for(span)
+        tables = [self._tables[row] for row in rows]
+        block_table = torch.tensor([(table + table[:1] * num_blocks)[:num_blocks] for table in tables])
+        slots = block_table[:, :, None] * self.block_tokens + torch.arange(self.block_tokens)
+        return slots.flatten(1)[:, :span]
 
     def _grow(self, row: int, length: int) -> None:
         """Hand a row blocks from the pool until they hold `length` tokens (reserved, so they are there)."""
