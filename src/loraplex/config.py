@@ -158,8 +158,9 @@ class ServerConfig(BaseModel):
     sample_kv_budget_mib: int = Field(
         32768,
         ge=1,
-        description="Most KV cache (MiB) all running samples may hold together, as the cache allocates it; "
-        "a request past it waits for running ones to finish (one request alone always runs).",
+        description="Most KV cache (MiB) all running samples may hold together, in whole 16-token blocks; "
+        "the cache's pool, allocated while any sample runs, holds it. A request past it waits for running "
+        "ones to finish (one request alone always runs).",
     )
     max_json_body_mib: int = Field(
         8,

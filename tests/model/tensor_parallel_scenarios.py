@@ -231,7 +231,7 @@ def _decode(decoder: Decoder, tokens_T: Tensor, dtype: torch.dtype, vocab: Vocab
     """Whole logits of a prefill's last tokens and of each decode step after it (KV cache of this rank's
     kv heads)."""
     slots, lengths = zip(*PROMPTS, strict=True)
-    cache = KVCache(decoder.config, "cpu", dtype, decoder.tp)
+    cache = KVCache(decoder.config, "cpu", dtype, decoder.tp, max_tokens=1024)
     rows = [cache.allocate(n + DECODE_STEPS) for n in lengths]
     hidden = decoder.forward_cached(
         tokens_T[: sum(lengths)], cache.prefill(rows, lengths), LoRARouting.from_sequences(lengths, slots)

@@ -10,7 +10,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from loraplex.model.attention import packed_attention
 from loraplex.model.config import DecoderConfig, ModelLoadError
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
 from loraplex.model.packing import PackedSequences
@@ -169,27 +168,6 @@ def test_digest_is_stable_and_changes_with_any_weight(tmp_path: Path) -> None:
     weights["model.norm.weight"][0] += 1e-3
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert base_model_digest(tmp_path) != first
-
-
-@pytest.mark.parametrize("lengths", [(4, 4, 4), (1, 5, 2, 5, 3), (6,)])
-def test_packed_attention_equals_masked_softmax_per_sequence(lengths: tuple[int, ...]) -> None:
-    """Reference: explicit causal softmax(q kᵀ/√H) v per sequence, kv heads repeated for GQA."""
-    T, N, K, H = sum(lengths), 4, 2, 8
-    q, k, v = torch.randn(T, N, H), torch.randn(T, K, H), torch.randn(T, K, H)
-
-    def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = []
-        for q_s, k_s, v_s in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            k_s, v_s = k_s.repeat_interleave(N // K, dim=1), v_s.repeat_interleave(N // K, dim=1)
-            scores = torch.einsum("inh,jnh->nij", q_s, k_s) / H**0.5
-            future = torch.ones(len(q_s), len(q_s), dtype=torch.bool).triu(1)
-            weights = scores.masked_fill(future, float("-inf")).softmax(-1)
-            out.append(torch.einsum("nij,jnh->inh", weights, v_s))
-        return torch.cat(out)
-
-    out = packed_attention(q, k, v, PackedSequences.from_lengths(lengths))
-    exact = reference(q.double(), k.double(), v.double())
-    assert_within_rounding(out, reference(q, k, v), exact, "attention")
 
 
 def test_positions_restart_at_zero_for_every_sequence() -> None:

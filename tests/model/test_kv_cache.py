@@ -63,7 +63,7 @@ def test_decode_logits_equal_the_packed_forward_at_every_position(decoders: tupl
     sequences = [torch.randint(0, SHAPES["vocab_size"], (n,)) for n in lengths]
     expected = [full_logits(decoder, seq, slot) for seq, slot in zip(sequences, slots, strict=True)]
     exact = [full_logits(twin, seq, slot) for seq, slot in zip(sequences, slots, strict=True)]
-    cache = KVCache(decoder.config, "cpu", torch.float32)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=1024)
     rows = [cache.allocate(n) for n in lengths]
 
     step = cache.prefill(rows, prompt_lengths)
@@ -90,21 +90,22 @@ def test_decode_logits_equal_the_packed_forward_at_every_position(decoders: tupl
 
 
 @torch.no_grad()
-def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(
+def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_the_pool(
     decoders: tuple[Decoder, Decoder],
 ) -> None:
     decoder, twin = decoders
     torch.manual_seed(1)
     sequence = torch.randint(0, SHAPES["vocab_size"], (8,))
     expected, exact = full_logits(decoder, sequence, None), full_logits(twin, sequence, None)
-    cache = KVCache(decoder.config, "cpu", torch.float32)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=1024)
     source = cache.allocate(8)
+    pool = cache.keys[0]
     decoder.forward_cached(sequence[:5], cache.prefill([source], [5]))
-    copies = [cache.allocate(8) for _ in range(12)]  # more rows than the first allocation holds
+    copies = [cache.allocate(8) for _ in range(12)]
     for row in copies:
         cache.copy_prefix(source, row)
-    cache.allocate(300)  # and a longer capacity, while rows hold tokens
-    assert cache.capacity >= 300
+    cache.allocate(300)  # a long row, while rows hold tokens
+    assert cache.keys[0] is pool and cache.stored_bytes == 64 * cache.block_bytes  # 1024 / 16 blocks
 
     rows = [copies[-1], source, copies[0]]
     for position in range(5, 8):
@@ -112,23 +113,76 @@ def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_rows(
         logits = decoder.lm_head(decoder.forward_cached(sequence[position].repeat(3), step))
         for b in range(3):
             assert_within_rounding(logits[b], expected[position], exact[position], f"row {b} at {position}")
+    assert cache.keys[0] is pool
+
+
+@torch.no_grad()
+def test_rows_grow_a_block_at_a_time_independently_and_a_freed_rows_blocks_serve_the_next(
+    decoders: tuple[Decoder, Decoder],
+) -> None:
+    """A row takes a block as its tokens cross a block boundary, whatever another row holds; a finished
+    row's blocks go back, and a new row over them (their old keys still there) decodes like a fresh one."""
+    decoder, twin = decoders
+    torch.manual_seed(3)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=64, block_tokens=4)  # 16 blocks
+    long_row, short_row = cache.allocate(40), cache.allocate(6)
+    assert cache.num_free_blocks == 16 and cache.num_reserved_blocks == 10 + 2
+    long_tokens = torch.randint(0, SHAPES["vocab_size"], (33,))
+    decoder.forward_cached(long_tokens, cache.prefill([long_row], [33]))
+    assert cache.num_free_blocks == 16 - 9  # ceil(33 / 4)
+    decoder.forward_cached(torch.tensor([1, 2, 3]), cache.prefill([short_row], [3]))
+    assert cache.num_free_blocks == 16 - 9 - 1
+    # The short row reaches 4, 5, 6 tokens (a second block at 5); the long row 34..36, within its 9th.
+    for free_blocks in (6, 5, 5):
+        cache.decode([short_row, long_row])
+        assert cache.num_free_blocks == free_blocks
+    cache.free(long_row)
+    assert cache.num_free_blocks == 16 - 2 and cache.num_reserved_blocks == 2
+
+    sequence = torch.randint(0, SHAPES["vocab_size"], (12,))
+    expected, exact = full_logits(decoder, sequence, SLOT), full_logits(twin, sequence, SLOT)
+    row = cache.allocate(12)
+    routing = LoRARouting.from_sequences([9], [SLOT])
+    decoder.forward_cached(sequence[:9], cache.prefill([row], [9]), routing)
+    for position in range(9, 12):
+        routing = LoRARouting.from_sequences([1], [SLOT])
+        logits = decoder.lm_head(
+            decoder.forward_cached(sequence[position : position + 1], cache.decode([row]), routing), routing
+        )
+        assert_within_rounding(logits[0], expected[position], exact[position], f"reused blocks at {position}")
+
+
+def test_a_row_larger_than_the_pool_is_refused_with_the_numbers(decoder: Decoder) -> None:
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=100)  # 7 blocks of 16
+    with pytest.raises(ValueError) as refused:
+        cache.allocate(10**15)
+    assert str(refused.value) == (
+        "a cache row of 1000000000000000 tokens needs 62500000000000 blocks of 16 tokens; "
+        "the pool has 7 of its 7 blocks unreserved"
+    )
+    assert cache.stored_bytes == 0  # nothing was allocated for it
+    cache.allocate(60)
+    with pytest.raises(ValueError, match="needs 4 blocks of 16 tokens; the pool has 3 of its 7 blocks"):
+        cache.allocate(49)
+    cache.allocate(48)
+    assert cache.num_reserved_blocks == 7
 
 
 def test_rows_are_reused_lowest_first_and_storage_is_dropped_when_none_is_live(decoder: Decoder) -> None:
-    cache = KVCache(decoder.config, "cpu", torch.float32)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=1024)
     rows = [cache.allocate(10) for _ in range(3)]
     assert rows == [0, 1, 2]
     cache.free(1)
     assert cache.allocate(10) == 1
     for row in rows:
         cache.free(row)
-    assert cache.num_live_rows == 0 and cache.capacity == 0
+    assert cache.num_live_rows == 0 and cache.stored_bytes == 0 and cache.keys == []
     with pytest.raises(ValueError, match="row 0 is not live"):
         cache.decode([0])
 
 
 def test_a_row_refuses_tokens_beyond_its_allocation(decoder: Decoder) -> None:
-    cache = KVCache(decoder.config, "cpu", torch.float32)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=1024)
     row = cache.allocate(2)
     with torch.no_grad():
         decoder.forward_cached(torch.tensor([1, 2]), cache.prefill([row], [2]))
@@ -136,27 +190,31 @@ def test_a_row_refuses_tokens_beyond_its_allocation(decoder: Decoder) -> None:
         cache.decode([row])
 
 
-def test_decode_attention_equals_softmax_over_each_rows_prefix() -> None:
-    """Reference: explicit softmax(q kᵀ/√H) v per sequence over its visible prefix, kv heads repeated."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_attention_equals_softmax_over_each_rows_prefix(device: str) -> None:
+    """Reference: explicit softmax(q kᵀ/√H) v per sequence over its visible slots, kv heads repeated."""
     torch.manual_seed(2)
-    R, N, K, C, H = 5, 4, 2, 12, 8
-    k_cache, v_cache = torch.randn(R, K, C, H), torch.randn(R, K, C, H)
-    rows, lengths = [3, 0, 4], [7, 1, 12]  # row 1 and 2 are not in the step
-    visible = torch.zeros(R, C, dtype=torch.bool)
-    for row, length in zip(rows, lengths, strict=True):
-        visible[row, :length] = True
-    visible[[1, 2], 0] = True
-    q = torch.randn(len(rows), N, H)
+    P, S, N, K, H = 6, 4, 4, 2, 8
+    k_pool, v_pool = torch.randn(P, S, K, H), torch.randn(P, S, K, H)
+    tables, lengths = [[3, 0], [5], [1, 4, 2]], [7, 1, 12]  # blocks in any order, a one-token row
+    span = max(lengths)
+    slots = torch.zeros(len(lengths), span, dtype=torch.int64)
+    visible = torch.zeros(len(lengths), span, dtype=torch.bool)
+    for b, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        row_slots = (torch.tensor(table)[:, None] * S + torch.arange(S)).flatten()[:length]
+        slots[b, :length], visible[b, :length] = row_slots, True
+    q = torch.randn(len(lengths), N, H)
 
-    def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         out = []
-        for b, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-            k = k_cache[row, :, :length].repeat_interleave(N // K, dim=0)  # (N, length, H)
-            v = v_cache[row, :, :length].repeat_interleave(N // K, dim=0)
-            weights = (torch.einsum("nh,nlh->nl", q[b], k) / H**0.5).softmax(-1)
-            out.append(torch.einsum("nl,nlh->nh", weights, v))
+        for b, length in enumerate(lengths):
+            k = k_pool.flatten(0, 1)[slots[b, :length]].repeat_interleave(N // K, dim=1)  # (length, N, H)
+            v = v_pool.flatten(0, 1)[slots[b, :length]].repeat_interleave(N // K, dim=1)
+            weights = (torch.einsum("nh,lnh->nl", q[b], k) / H**0.5).softmax(-1)
+            out.append(torch.einsum("nl,lnh->nh", weights, v))
         return torch.stack(out)
 
-    out = decode_attention(q, k_cache, v_cache, torch.tensor(rows), visible)
-    exact = reference(q.double(), k_cache.double(), v_cache.double())
-    assert_within_rounding(out, reference(q, k_cache, v_cache), exact, "attention")
+    on_device = (x.to(device) for x in (q, k_pool, v_pool, slots, visible))
+    out = decode_attention(*on_device)
+    exact = reference(q.double(), k_pool.double(), v_pool.double())
+    assert_within_rounding(out, reference(q, k_pool, v_pool), exact, "attention")

@@ -104,7 +104,7 @@ def _assert_lora_counted(config: DecoderConfig, decoder: Decoder, tp: int) -> No
 def test_at_one_rank_the_kv_cache_takes_what_the_plan_says(name: str) -> None:
     config = config_of(name)
     for dtype in (torch.bfloat16, torch.float32):
-        cache = KVCache(config, "meta", dtype)
+        cache = KVCache(config, "meta", dtype, max_tokens=0)
         assert kv_bytes_per_token(config, 1, dtype.itemsize) == cache.bytes_per_token
 
 

@@ -345,7 +345,7 @@ def test_decode_through_experts_equals_the_packed_forward(moe_dir: Path) -> None
     expected = [full_logits(decoder, seq, s) for seq, s in zip(sequences, slots, strict=True)]
     with float64_experts():
         exact = [full_logits(twin, seq, s) for seq, s in zip(sequences, slots, strict=True)]
-    cache = KVCache(decoder.config, "cpu", torch.float32)
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=1024)
     rows = [cache.allocate(n) for n in lengths]
     routing = LoRARouting.from_sequences(prompt_lengths, slots)
     prompts = torch.cat([seq[:p] for seq, p in zip(sequences, prompt_lengths, strict=True)])

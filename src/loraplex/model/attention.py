@@ -7,7 +7,7 @@ checkpoints or HF.
 
 Shapes: T packed tokens, N query heads, K kv heads, H head dim, G = N/K query heads per kv head,
 M sequences of one length, L that length (or the longest cached span), B sequences of a decode step,
-R cache rows, C cache capacity in tokens.
+P blocks of the paged cache's pool, S tokens a block.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+try:  # the flash varlen kernel: torch 2.9 on (a device machine may bring an older torch)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 from loraplex.model.config import DecoderConfig
 from loraplex.model.packing import PackedSequences
@@ -85,10 +90,47 @@ def packed_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: Packe
             out[start:end] = causal_attention(q[start:end], k[start:end], v[start:end])
     with kv head j serving query heads j*N/K ... (j+1)*N/K - 1 and scale 1/sqrt(H).
 
-    How: one SDPA call per distinct sequence length, that length's sequences stacked as its batch
-    (a zero-copy view when all lengths are equal), so scores cost O(sum of L^2) per head instead of a
-    (T, T) block-diagonal mask, and the Python loop runs over distinct lengths, not sequences.
+    Where the flash varlen kernel runs (CUDA, 16-bit activations) the whole pack is one call over
+    `cu_seqlens_Q1`; elsewhere one SDPA call per distinct length (`per_length_attention`).
     """
+    if has_varlen_kernel(q_TNH):
+        return varlen_attention(q_TNH, k_TKH, v_TKH, packing)
+    return per_length_attention(q_TNH, k_TKH, v_TKH, packing)
+
+
+def has_varlen_kernel(q_TNH: Tensor) -> bool:
+    """Whether torch's varlen (flash) kernel takes these activations: CUDA, and fp16 or bf16 (flash has no
+    fp32). The CPU has no varlen kernel in the pinned torch, and flex_attention's document mask is no
+    substitute there: it has no CPU backward, and its eager forward materialises the scores. Measured
+    forward on 2 cores with the tiny model's heads (N=4, K=2, H=64), median ms, per-length SDPA / flex:
+    8 × 64 tokens 8 / 99; lengths 1..250 (T=664) 8 / 197; 4 × 512 43 / 782; lengths 1..900 (T=1856)
+    200 / 688."""
+    return varlen_attn is not None and q_TNH.is_cuda and q_TNH.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: PackedSequences) -> Tensor:
+    """The whole pack in one varlen call: causal (window (-1, 0)) within the sequences `cu_seqlens_Q1`
+    bounds, GQA in the kernel (no repeated keys); differentiable. The longest length is a host int the
+    packing already holds, so the call needs no sync."""
+    longest = max(packing.lengths)
+    return varlen_attn(
+        q_TNH,
+        k_TKH,
+        v_TKH,
+        packing.cu_seqlens_Q1,
+        packing.cu_seqlens_Q1,
+        longest,
+        longest,
+        window_size=(-1, 0),
+        enable_gqa=q_TNH.shape[1] != k_TKH.shape[1],
+    )
+
+
+def per_length_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: PackedSequences) -> Tensor:
+    """`packed_attention` as one SDPA call per distinct sequence length, that length's sequences stacked
+    as its batch (a zero-copy view when all lengths are equal), so scores cost O(sum of L^2) per head
+    instead of a (T, T) block-diagonal mask, and the Python loop runs over distinct lengths, not
+    sequences."""
     num_heads, head_dim = q_TNH.shape[1:]
     num_kv_heads = k_TKH.shape[1]
     outputs = []
@@ -123,32 +165,34 @@ def _causal_sdpa(q_MLNH: Tensor, k_MLKH: Tensor, v_MLKH: Tensor) -> Tensor:
 
 
 def decode_attention(
-    q_BNH: Tensor, k_cache_RKCH: Tensor, v_cache_RKCH: Tensor, rows_B: Tensor, is_visible_RL: Tensor
+    q_BNH: Tensor, k_pool_PSKH: Tensor, v_pool_PSKH: Tensor, slots_BL: Tensor, is_visible_BL: Tensor
 ) -> Tensor:
-    """Attention of one new token per sequence over its cache row (which already holds that token's k, v).
+    """Attention of one new token per sequence over its cached tokens (the cache already holds its k, v).
 
     Semantics (the per-sequence loop this equals):
         for b in range(B):
-            r, L_b = rows_B[b], number of True in is_visible_RL[r] (a prefix)
-            out[b] = causal_attention's last row over k_cache[r, :, :L_b], v_cache[r, :, :L_b] for q[b]
+            L_b = number of True in is_visible_BL[b] (a prefix)
+            out[b] = causal_attention's last row over the pool's flat slots slots_BL[b, :L_b] for q[b]
     with kv head j serving query heads j*G ... (j+1)*G - 1 and scale 1/sqrt(H).
 
-    How: q is scattered into cache-row order, so the cache is attended in place (a view of its first R
-    rows and L positions, never gathered) by one SDPA call; the G query heads of a kv head act as G
-    query positions sharing one (R, 1, 1, L) padding mask, so GQA needs no repeated keys. Rows not in
-    the step see only position 0 and their outputs are dropped. On 2 CPU cores this beats gathering
-    rows into batch order (a copy of every step's keys) and matches a per-sequence loop without its
-    Python overhead per sequence and layer; see kv_cache.py for the measurements.
+    How: the rows' keys and values are gathered from the paged pool (P, S, K, H) into batch order by one
+    index_select each, and one SDPA call attends them under the (B, 1, 1, L) padding mask; the G query
+    heads of a kv head act as G query positions sharing it, so GQA needs no repeated keys. Masked slots
+    must hold finite values (kv_cache.py points them at a written token).
     """
-    num_rows, span = is_visible_RL.shape
+    num_seqs, span = slots_BL.shape
     num_heads, head_dim = q_BNH.shape[1:]
-    num_kv_heads = k_cache_RKCH.shape[1]
+    num_kv_heads = k_pool_PSKH.shape[2]
     group = num_heads // num_kv_heads
-    q_RNH = q_BNH.new_zeros(num_rows, num_heads, head_dim).index_copy_(0, rows_B, q_BNH)
-    out_RKGH = F.scaled_dot_product_attention(
-        q_RNH.view(num_rows, num_kv_heads, group, head_dim),
-        k_cache_RKCH[:num_rows, :, :span],
-        v_cache_RKCH[:num_rows, :, :span],
-        attn_mask=is_visible_RL[:, None, None, :],
+    index = slots_BL.flatten()
+    k_BKLH, v_BKLH = (
+        pool.flatten(0, 1).index_select(0, index).view(num_seqs, span, num_kv_heads, head_dim).transpose(1, 2)
+        for pool in (k_pool_PSKH, v_pool_PSKH)
     )
-    return out_RKGH.reshape(num_rows, num_heads, head_dim).index_select(0, rows_B)
+    out_BKGH = F.scaled_dot_product_attention(
+        q_BNH.view(num_seqs, num_kv_heads, group, head_dim),
+        k_BKLH,
+        v_BKLH,
+        attn_mask=is_visible_BL[:, None, None, :],
+    )
+    return out_BKGH.reshape(num_seqs, num_heads, head_dim)

@@ -1,7 +1,7 @@
 """Continuous batching: many requests of many snapshots share every prefill and every decode step.
 
 A request waits until admitted: FIFO, while decode rows, the prefill budget and the KV-cache budget
-(SamplingLimits.kv_budget_bytes, the storage the cache would then hold) allow; a request alone always
+(SamplingLimits.kv_budget_bytes, the blocks the cache would then reserve) allow; a request alone always
 runs. Admission prefills its prompt once (packed with the other prompts
 admitted in the same step) into a KV-cache row, copies that row for each further sample, scores the
 prompt if asked and draws every sample's first token from the prompt's last position. Each step then
@@ -45,7 +45,8 @@ from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, 
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.host_copy import to_device
-from loraplex.model.kv_cache import KVCache
+from loraplex.model.kv_cache import BLOCK_TOKENS, KVCache
+from loraplex.model.memory_plan import kv_bytes_per_token
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.tensor_parallel import gather_vocab
 
@@ -111,13 +112,25 @@ class Sampler:
         self.max_context_length = max_context_length
         self.max_batch = max_batch  # rows of a decode step; a request's samples are never split
         self.chunk_size = chunk_size
-        self.limits = SamplingLimits()  # none beyond the model's until the server sets its own
+        self._limits = SamplingLimits()  # none beyond the model's until the server sets its own
         self.cache = self._new_cache()
         self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity)
         self._waiting: deque[tuple[str, SampleRequest]] = deque()
         self._jobs: dict[str, _Job] = {}  # admitted, in admission order
         self.prefill_tokens = 0  # prompt tokens prefilled since start, for telemetry
         self.sampled_tokens = 0  # tokens drawn since start, for telemetry
+
+    @property
+    def limits(self) -> SamplingLimits:
+        """The server's sampling limits; setting them sizes a new KV cache pool, so only while idle."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: SamplingLimits) -> None:
+        if self.cache.num_live_rows:
+            raise RuntimeError("sampling limits change only while no request holds a cache row")
+        self._limits = limits
+        self.cache = self._new_cache()
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -193,7 +206,19 @@ class Sampler:
 
     def _new_cache(self) -> KVCache:
         weight = self.decoder.lm_head.weight
-        return KVCache(self.decoder.config, weight.device, weight.dtype, self.decoder.tp)
+        config, tp = self.decoder.config, self.decoder.tp
+        max_tokens = self._kv_pool_tokens(kv_bytes_per_token(config, tp.size, weight.dtype.itemsize))
+        return KVCache(config, weight.device, weight.dtype, tp, max_tokens=max_tokens)
+
+    def _kv_pool_tokens(self, bytes_per_token: int) -> int:
+        """Tokens the cache's pool holds: what the KV budget holds, or one request's cap where that is more
+        (a request alone always runs), never more than max_batch rows of the whole context; plus a block
+        per row, the most their rounding up to whole blocks adds."""
+        budget, request_cap = self.limits.kv_budget_bytes, self.limits.max_request_kv_bytes
+        tokens = self.max_batch * self.max_context_length
+        if budget is not None and request_cap is not None:
+            tokens = min(tokens, max(budget, request_cap) // bytes_per_token)
+        return tokens + self.max_batch * BLOCK_TOKENS
 
     def _logits(self, hidden_TD: Tensor, routing: LoRARouting) -> Tensor:
         """(T, V) logits over the whole vocabulary (gathered from every rank's rows under tensor
