@@ -27,6 +27,10 @@ from loraplex.model.multi_lora import LoRARouting, Segment, SlotWeights, add_lor
 from tests.model.rounding import BF16_U, U
 
 BF16, F32 = torch.bfloat16, torch.float32
+# cuBLAS and the grouped GEMM kernel are what the rule is for; the CPU models them (fp32 sums, one rounding).
+# On a GPU the long sums (the shrink's over I, the weight gradients' over tokens) return fp32, so cuBLAS's
+# bf16 split-K reductions (allow_bf16_reduced_precision_reduction) can only touch the R-long ones.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def unit_of(dtype: torch.dtype) -> float:
@@ -49,7 +53,8 @@ class Bounded:
     @classmethod
     def of(cls, value: Tensor) -> Bounded:
         """An input: exactly its (bf16- or fp32-valued) elements."""
-        return cls(value.double(), torch.zeros_like(value, dtype=torch.float64))
+        exact = value.detach().cpu().double()
+        return cls(exact, torch.zeros_like(exact))
 
     @property
     def mT(self) -> Bounded:
@@ -89,13 +94,13 @@ class Bounded:
 
 def assert_within(got: Tensor, bound: Bounded, what: str) -> None:
     """Every element of `got` within its bound of the exact value."""
-    excess = (got.detach().double() - bound.exact).abs() - bound.error
+    excess = (got.detach().cpu().double() - bound.exact).abs() - bound.error
     assert excess.max() <= 0, f"{what}: {int((excess > 0).sum())} elements past their bound"
 
 
 def fraction_past(got: Tensor, bound: Bounded) -> float:
     """The fraction of `got`'s elements past their bound: a wrong computation's should be most."""
-    return float(((got.detach().double() - bound.exact).abs() > bound.error).double().mean())
+    return float(((got.detach().cpu().double() - bound.exact).abs() > bound.error).double().mean())
 
 
 # ---- dense ----
@@ -118,12 +123,12 @@ RANKS = {0: 4, 1: 4, 2: 8, 3: 4}
 I, O = 48, 40
 
 
-def dense_slots(seed: int) -> dict[int, SlotWeights]:
+def dense_slots(seed: int, device: str) -> dict[int, SlotWeights]:
     generator = torch.Generator().manual_seed(seed)
     return {
         slot: SlotWeights(
-            torch.randn(rank, I, generator=generator) / I**0.5,
-            torch.randn(O, rank, generator=generator),
+            (torch.randn(rank, I, generator=generator) / I**0.5).to(device),
+            torch.randn(O, rank, generator=generator).to(device),
             (32 if slot != 3 else 7) / rank,
         )
         for slot, rank in RANKS.items()
@@ -179,25 +184,29 @@ def dense_bounds(
             first_A, first_B = grads[segment.slot]
             grad_A, grad_B = first_A.plus(grad_A, F32), first_B.plus(grad_B, F32)
         grads[segment.slot] = (grad_A, grad_B)
-    cat = lambda parts: Bounded(torch.cat([p.exact for p in parts]), torch.cat([p.error for p in parts]))  # noqa: E731
-    return cat(outs), cat(grad_xs), grads
+    return concatenated(outs), concatenated(grad_xs), grads
 
 
-def dense_inputs(compute: torch.dtype, output: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def concatenated(parts: list[Bounded]) -> Bounded:
+    return Bounded(torch.cat([p.exact for p in parts]), torch.cat([p.error for p in parts]))
+
+
+def dense_inputs(compute: torch.dtype, output: torch.dtype, device: str) -> tuple[Tensor, Tensor, Tensor]:
     generator = torch.Generator().manual_seed(3)
     T = DENSE_LAYOUT.num_tokens
-    x = torch.randn(T, I, generator=generator).to(compute)
-    y, g = (torch.randn(T, O, generator=generator).to(output) for _ in range(2))
+    x = torch.randn(T, I, generator=generator).to(device, compute)
+    y, g = (torch.randn(T, O, generator=generator).to(device, output) for _ in range(2))
     return x, y, g
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("compute", "output"), [(BF16, BF16), (BF16, F32)], ids=["bf16", "bf16_x_fp32_y"])
 def test_dense_delta_and_its_gradients_stay_within_the_derived_bound(
-    compute: torch.dtype, output: torch.dtype
+    compute: torch.dtype, output: torch.dtype, device: str
 ) -> None:
     """bf16 layers, and the fp32-logits lm_head (bf16 x, fp32 y: its delta added in fp32)."""
-    slots = dense_slots(seed=0)
-    x, y, g = dense_inputs(compute, output)
+    slots = dense_slots(seed=0, device=device)
+    x, y, g = dense_inputs(compute, output, device)
     out, grad_x, grads = run_dense(x, y, g, slots)
     want_out, want_x, want_grads = dense_bounds(x, y, g, slots)
     assert out.dtype == output and grad_x.dtype == compute
@@ -234,7 +243,7 @@ def todays_dense(
         A = torch.stack([slots[s].A_RI for s in run_slots])
         B = torch.stack([slots[s].B_OR for s in run_slots])
         scales = [slots[s].scale for s in run_slots]
-        scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales).view(-1, 1, 1)
+        scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=x.device).view(-1, 1, 1)
         x_GLI, g_GLO = x[start:end].reshape(G, L, -1).float(), g[start:end].reshape(G, L, -1).float()
         shrunk = torch.bmm(x_GLI, A.transpose(1, 2)).mul_(scale)
         out[start:end].view(G, L, -1).baddbmm_(shrunk, B.transpose(1, 2))
@@ -251,8 +260,10 @@ def todays_dense(
 
 
 def test_fp32_dense_delta_and_gradients_are_bitwise_the_formula_before_the_rule() -> None:
-    slots = dense_slots(seed=1)
-    x, y, g = dense_inputs(F32, F32)
+    """The same kernels on the same operands (a GPU's choice of kernel may differ between two calls with
+    differently aligned operands, so this is a CPU test: the point is the arithmetic, unchanged)."""
+    slots = dense_slots(seed=1, device="cpu")
+    x, y, g = dense_inputs(F32, F32, "cpu")
     out, grad_x, grads = run_dense(x, y, g, slots)
     want_out, want_x, want_grads = todays_dense(x, y, g, slots)
     assert torch.equal(out, want_out) and torch.equal(grad_x, want_x)
@@ -264,35 +275,36 @@ def test_fp32_dense_delta_and_gradients_are_bitwise_the_formula_before_the_rule(
 
 # ---- experts ----
 
-E, EXPERT_RANK = 4, 4
+E, EXPERT_RANK = 4, 8  # rank 8: 16-byte bf16 rows, as the GPU's grouped kernel takes them unpadded
 # Slots 0 and 1 on tokens of every expert, slot 1 twice, and base-only tokens.
 EXPERT_ROUTING = LoRARouting(
     (Segment(0, 0, 12), Segment(None, 12, 18), Segment(1, 18, 30), Segment(1, 30, 33))
 )
 
 
-def expert_layer(dtype: torch.dtype, seed: int) -> ExpertLinear:
+def expert_layer(dtype: torch.dtype, seed: int, device: str) -> ExpertLinear:
     generator = torch.Generator().manual_seed(seed)
-    layer = ExpertLinear(E, I, O, device="cpu", dtype=dtype)
+    layer = ExpertLinear(E, I, O, device=device, dtype=dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(layer.weight.shape, generator=generator) / I**0.5)
     for slot in (0, 1):
         (A_rows, _), _ = layer.lora_shapes(EXPERT_RANK)
-        A = (torch.randn(A_rows, I, generator=generator) / I**0.5).requires_grad_()
-        B = torch.randn(O, A_rows, generator=generator).requires_grad_()
+        A = (torch.randn(A_rows, I, generator=generator) / I**0.5).to(device).requires_grad_()
+        B = torch.randn(O, A_rows, generator=generator).to(device).requires_grad_()
         layer.attach(slot, A, B, scale=(16 if slot else 12) / EXPERT_RANK)
     return layer
 
 
-def expert_inputs(dtype: torch.dtype) -> tuple[Tensor, Tensor, ExpertGroups, Tensor]:
+def expert_inputs(dtype: torch.dtype, device: str) -> tuple[Tensor, Tensor, ExpertGroups, Tensor]:
     """x and g for the rows sorted by expert, the groups, and each sorted row's expert."""
     generator = torch.Generator().manual_seed(4)
     T = EXPERT_ROUTING.num_tokens
     experts_T1 = torch.randint(0, E, (T, 1), generator=generator)
-    groups = ExpertGroups.build(experts_T1, EXPERT_ROUTING, E)
-    x = torch.randn(T, I, generator=generator).to(dtype)[groups.order_N]
-    g = torch.randn(T, O, generator=generator).to(dtype)
-    return x, g, groups, experts_T1[groups.order_N, 0]
+    groups = ExpertGroups.build(experts_T1.to(device), EXPERT_ROUTING, E)
+    order_N = groups.order_N.cpu()
+    x = torch.randn(T, I, generator=generator)[order_N].to(device, dtype)
+    g = torch.randn(T, O, generator=generator).to(device, dtype)
+    return x, g, groups, experts_T1[order_N, 0]
 
 
 def run_expert(
@@ -318,10 +330,10 @@ def expert_bounds(
     dtype, R = x.dtype, EXPERT_RANK
     slot_N = torch.full((x.shape[0],), -1)
     for part in groups.slot_rows:
-        slot_N[part.rows_n] = part.slot
+        slot_N[part.rows_n.cpu()] = part.slot
     out = Bounded.of(torch.zeros(x.shape[0], O))
-    grad_x = Bounded.of(torch.zeros_like(x))
-    grads = {slot: [Bounded.of(torch.zeros_like(t)) for t in layer._slots[slot][:2]] for slot in (0, 1)}
+    grad_x = Bounded.of(torch.zeros(x.shape))
+    grads = {slot: [Bounded.of(torch.zeros(t.shape)) for t in layer._slots[slot][:2]] for slot in (0, 1)}
 
     def put(target: Bounded, rows: Tensor | slice, value: Bounded) -> None:
         target.exact[rows], target.error[rows] = value.exact, value.error
@@ -329,10 +341,10 @@ def expert_bounds(
     for e in range(E):
         W = Bounded.of(layer.weight[e])
         for slot in (-1, 0, 1):
-            rows = torch.nonzero((expert_N == e) & (slot_N == slot))[:, 0]
+            rows = torch.nonzero((expert_N == e) & (slot_N == slot))[:, 0]  # on the CPU, as the bounds
             if not len(rows):
                 continue
-            x_rows, g_rows = Bounded.of(x[rows]), Bounded.of(g[rows])
+            x_rows, g_rows = Bounded.of(x[rows.to(x.device)]), Bounded.of(g[rows.to(x.device)])
             base, g_base = (x_rows @ W.mT).rounded(dtype), (g_rows @ W).rounded(dtype)
             if slot < 0:
                 put(out, rows, base)
@@ -350,9 +362,10 @@ def expert_bounds(
     return [out, grad_x, *(b for slot in (0, 1) for b in grads[slot])]
 
 
-def test_expert_delta_and_its_gradients_stay_within_the_derived_bound_in_bf16() -> None:
-    layer = expert_layer(BF16, seed=0)
-    x, g, groups, expert_N = expert_inputs(BF16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_expert_delta_and_its_gradients_stay_within_the_derived_bound_in_bf16(device: str) -> None:
+    layer = expert_layer(BF16, seed=0, device=device)
+    x, g, groups, expert_N = expert_inputs(BF16, device)
     got = run_expert(lambda x: layer(x, groups), layer, x, g)
     want = expert_bounds(layer, x, g, groups, expert_N)
     names = ["out", "grad x", "slot 0 grad A", "slot 0 grad B", "slot 1 grad A", "slot 1 grad B"]
@@ -360,7 +373,7 @@ def test_expert_delta_and_its_gradients_stay_within_the_derived_bound_in_bf16() 
     for name, value, bound in zip(names, got, want, strict=True):
         assert_within(value, bound, name)
 
-    changed = groups.slot_rows[0].rows_n  # slot 0's, which both wrong computations change
+    changed = groups.slot_rows[0].rows_n.cpu()  # slot 0's, which both wrong computations change
     slot_0, slot_1 = layer._slots[0], layer._slots[1]
     for name, wrong in (
         ("another slot", (slot_1, slot_0)),
@@ -387,8 +400,8 @@ def todays_expert(layer: ExpertLinear, x: Tensor, groups: ExpertGroups) -> Tenso
 
 
 def test_fp32_expert_delta_and_gradients_are_bitwise_the_formula_before_the_rule() -> None:
-    layer = expert_layer(F32, seed=1)
-    x, g, groups, _ = expert_inputs(F32)
+    layer = expert_layer(F32, seed=1, device="cpu")
+    x, g, groups, _ = expert_inputs(F32, "cpu")
     got = run_expert(lambda x: layer(x, groups), layer, x, g)
     want = run_expert(lambda x: todays_expert(layer, x, groups), layer, x, g)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
