@@ -12,12 +12,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
+from loraplex.model.lora_precision import _StackCache
 from loraplex.model.multi_lora import (
     LoRARouting,
     MultiLoRALinear,
     Segment,
     SlotWeights,
-    _StackCache,
     add_lora_delta,
     add_lora_delta_reference,
     init_lora_pair,
@@ -359,20 +359,35 @@ def test_a_loss_on_one_slots_tokens_gives_other_slots_no_gradient(
             assert all(grad is None or not grad.any() for grad in grads)
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 def test_stacked_snapshot_weights_are_reused_until_a_source_changes_and_training_ones_never() -> None:
     cache = _StackCache(max_bytes=3 * 2 * 4 * 5 * 4)  # room for three (2, 4, 5) fp32 stacks
     a, b, c = (torch.randn(4, 5) for _ in range(3))
-    first = cache.stacked([a, b])
-    assert cache.stacked([a, b]) is first  # sampling's next decode step: no copy
-    assert cache.stacked([b, a]) is not first  # another order is another stack
+    first = cache.stacked([a, b], F32)
+    assert cache.stacked([a, b], F32) is first  # sampling's next decode step: no copy
+    assert cache.stacked([b, a], F32) is not first  # another order is another stack
     before = a.clone()
     with torch.no_grad():
         a.add_(1.0)  # an optimizer step on a training slot
-    fresh = cache.stacked([a, b])
+    fresh = cache.stacked([a, b], F32)
     assert fresh is not first and torch.equal(fresh[0], a) and torch.equal(first[0], before)
-    cache.stacked([a, c])
-    cache.stacked([b, c])  # a fourth stack: the least recently used, [b, a], is dropped
-    assert cache.stacked([a, b]) is fresh
-    assert cache.stacked([a]).data_ptr() == a.data_ptr()  # one tensor: a view, never cached
+    cache.stacked([a, c], F32)
+    cache.stacked([b, c], F32)  # a fourth stack: the least recently used, [b, a], is dropped
+    assert cache.stacked([a, b], F32) is fresh
+    assert cache.stacked([a], F32).data_ptr() == a.data_ptr()  # one tensor: a view, never cached
     trained = [torch.randn(4, 5, requires_grad=True) for _ in range(2)]  # a training slot's leaves
-    assert cache.stacked(trained) is not cache.stacked(trained)  # always stacked afresh
+    assert cache.stacked(trained, F32) is not cache.stacked(trained, F32)  # always stacked afresh
+
+
+def test_compute_dtype_copies_of_snapshot_weights_are_cached_and_training_ones_cast_afresh() -> None:
+    cache = _StackCache(max_bytes=2**20)
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    cast = cache.stacked([a], BF16)  # one snapshot's bf16 copy: cached like a stack
+    assert cast.dtype == BF16 and torch.equal(cast[0], a.bfloat16())
+    assert cache.stacked([a], BF16) is cast and cache.stacked([a, b], BF16) is cache.stacked([a, b], BF16)
+    assert cache.stacked([a, b], F32).dtype == F32  # the fp32 stack of the same sources is another entry
+    trained = torch.randn(4, 5, requires_grad=True)
+    copy = cache.stacked([trained], BF16)
+    assert copy is not cache.stacked([trained], BF16) and copy.requires_grad  # differentiable, never cached

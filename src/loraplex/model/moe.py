@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from loraplex.model.config import DecoderConfig
 from loraplex.model.grouped_mm import grouped_mm
+from loraplex.model.lora_precision import LoRADtypes, scaled_shrink
 from loraplex.model.multi_lora import LoRARouting, SlotWeights
 from loraplex.model.tensor_parallel import (
     SINGLE,
@@ -197,26 +198,32 @@ class ExpertLinear(nn.Module):
 
         Semantics (see `sparse_moe_reference`): row r of expert e and slot s gives
             x[r] @ W[e].T + scale_s · B_s[:, e·R:(e+1)·R] @ A_s[e·R:(e+1)·R] @ x[r]
-        The LoRA matmuls run in x's dtype (fp32 on CPUs; bf16 on GPUs, the one dtype with a grouped GEMM
-        kernel, which accumulates in fp32): in fp32 the GPU would fall back to one matmul launch and a
-        host sync per (expert, slot) group. A and B stay fp32 and receive fp32 gradients.
+        The LoRA delta follows lora_precision.py's rule, as the dense layers' do. torch._grouped_mm (the
+        one grouped GEMM kernel, for bf16 on GPUs; in fp32 a GPU would fall back to one matmul launch
+        and a host sync per (expert, slot) group) accumulates in fp32 but returns its operands' dtype: the
+        shrink is rounded to x's dtype once before its fp32 scale, and each delta once before its add
+        into y. A and B stay fp32 and receive fp32 gradients (summed in fp32, rounded once to x's dtype
+        by the same kernel in the backward).
         """
         others = self.held is not None  # rows of other ranks' experts: no group of this rank's
         y_NO = grouped_mm(x_NI, self.weight.transpose(1, 2), groups.offsets_H, others)
         H, I, O = self.num_held, self.in_features, self.out_features
+        dtypes = LoRADtypes.of(x_NI, y_NO)
         for part in groups.slot_rows:
             weights = self._slots.get(part.slot)
             if weights is None:
                 continue
             R = weights.A_RI.shape[0] // H
-            A_HRI = weights.A_RI.to(x_NI.dtype).view(H, R, I)
-            B_HRO = weights.B_OR.to(x_NI.dtype).view(O, H, R).permute(1, 2, 0)
+            A_1RI, B_1OR = dtypes.operands([weights.A_RI], [weights.B_OR])
+            A_HRI = A_1RI.view(H, R, I)
+            B_HRO = B_1OR.view(O, H, R).permute(1, 2, 0)
             x_nI = x_NI.index_select(0, part.rows_n)
-            shrunk_nR = grouped_mm(x_nI, A_HRI.transpose(1, 2), part.offsets_H, others)
-            # Scale the narrow (n, R) intermediate rather than the (n, O) result.
-            shrunk_nR.mul_(weights.scale)
+            shrunk_nR = scaled_shrink(
+                grouped_mm(x_nI, A_HRI.transpose(1, 2), part.offsets_H, others), weights.scale
+            )
+            delta_nO = grouped_mm(dtypes.expand_operand(shrunk_nR), B_HRO, part.offsets_H, others)
             # A slot's rows are distinct, so no two deltas add into one row (deterministic on GPUs too).
-            y_NO.index_add_(0, part.rows_n, grouped_mm(shrunk_nR, B_HRO, part.offsets_H, others))
+            y_NO.index_add_(0, part.rows_n, delta_nO)
         return y_NO
 
     def extra_repr(self) -> str:

@@ -3,7 +3,9 @@
 `LoRARouting` says which slot each contiguous run of packed tokens uses; it is built once per batch
 and passed to every `MultiLoRALinear`. `add_lora_delta` (one custom autograd node, `_SegmentedLoRA`) is
 the one place the delta is computed, with `add_lora_delta_reference` (a per-token loop) beside it;
-changing the strategy changes this file only.
+changing the strategy changes this file only. Its precision (A in x's dtype, B in y's, fp32
+accumulation, the delta added into y with one rounding, fp32 gradients for the fp32 A and B) is
+lora_precision.py's rule, the experts' too.
 The slot tensors belong to the engine's slot pool: layers keep references, never copies. Under tensor
 parallelism a layer holds this rank's part of the base weight and of each slot's A or B
 (tensor_parallel.py says which); the delta op itself never learns of it.
@@ -16,8 +18,6 @@ L tokens of each of them.
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from loraplex.model.fp32_matmul import bmm_fp32
 from loraplex.model.host_copy import to_device
+from loraplex.model.lora_precision import LoRADtypes, scaled_shrink
 from loraplex.model.tensor_parallel import SINGLE, WHOLE, LoRASharding, Split, TensorParallel, reduce_from_tp
 
 
@@ -122,7 +124,8 @@ class SlotWeights(NamedTuple):
 def add_lora_delta(
     y_TO: Tensor, x_TI: Tensor, routing: LoRARouting, slots: Mapping[int, SlotWeights]
 ) -> Tensor:
-    """Return y plus, on each routed segment, its slot's scaled low-rank update of x; math in fp32.
+    """Return y plus, on each routed segment, its slot's scaled low-rank update of x, in the precision of
+    lora_precision.py (in fp32 for fp32 x and y; bf16 rounds A, B, the shrink and the sum).
 
     Semantics (`add_lora_delta_reference` runs exactly this loop):
         out = y.clone()
@@ -198,84 +201,30 @@ def _is_stackable(weights: SlotWeights) -> bool:
     return weights.A_RI.device.type != "cpu" or size <= _CPU_MAX_STACKED_ELEMENTS
 
 
-class _Stack(NamedTuple):
-    sources: tuple[weakref.ref[Tensor], ...]
-    versions: tuple[int, ...]
-    stacked: Tensor
-
-
-class _StackCache:
-    """Stacked copies of slot tensors, reused for as long as none of their sources changed.
-
-    Sampling decodes hundreds of steps with the same snapshots in the same order, and without this every
-    layer of every step copied the same A and B into a fresh stack. Only tensors that take no gradient
-    are cached (sampling snapshots, immutable): a training slot changes in place every step, and the
-    fused AdamW kernel does not bump version counters, so its stacks are always built afresh. A cached
-    source is the same when it is the same tensor object (held weakly, so the cache keeps no snapshot
-    alive) with the same version counter (a guard against in-place writes such as copy_). Least
-    recently used stacks are dropped past `max_bytes`.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._stacks: OrderedDict[tuple[int, ...], _Stack] = OrderedDict()
-        self._bytes = 0
-
-    def stacked(self, tensors: list[Tensor]) -> Tensor:
-        """(G, ...) of G equally shaped tensors; a view, not a copy, when G is 1."""
-        if len(tensors) == 1:
-            return tensors[0].unsqueeze(0)
-        if any(t.requires_grad for t in tensors):
-            return torch.stack(tensors)
-        key, versions = tuple(map(id, tensors)), tuple(t._version for t in tensors)
-        hit = self._stacks.get(key)
-        if (
-            hit is not None
-            and hit.versions == versions
-            and all(ref() is t for ref, t in zip(hit.sources, tensors, strict=True))
-        ):
-            self._stacks.move_to_end(key)
-            return hit.stacked
-        stacked = torch.stack(tensors)
-        self._drop(key)
-        self._stacks[key] = _Stack(tuple(map(weakref.ref, tensors)), versions, stacked)
-        self._bytes += stacked.nbytes
-        while self._bytes > self.max_bytes:
-            self._drop(next(iter(self._stacks)))
-        return stacked
-
-    def _drop(self, key: tuple[int, ...]) -> None:
-        if (old := self._stacks.pop(key, None)) is not None:
-            self._bytes -= old.stacked.nbytes
-
-
-# Enough for every stacked layer of a few batch compositions of the tiny and bench models at rank 16.
-_STACKS = _StackCache(max_bytes=64 * 2**20)
-
-
 def _scale_G11(run: _Run, like: Tensor) -> Tensor | float:
-    """The run's per-segment scales, broadcastable over (G, L, R); a plain float when they agree."""
+    """The run's per-segment scales, broadcastable over `like`'s (G, L, R); a plain float when they agree."""
     if len(set(run.scales)) == 1:
         return run.scales[0]
     return torch.tensor(run.scales, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
 def _add_runs_(y_TO: Tensor, x_TI: Tensor, runs: Sequence[_Run], pairs: Sequence[Tensor]) -> list[Tensor]:
-    """y[s:e] += scale · (x[s:e] Aᵀ) Bᵀ for every run, in place; per run what its backward needs
-    (the scaled (G, L, R) intermediate and the stacked A and B)."""
+    """y[s:e] += scale · (x[s:e] Aᵀ) Bᵀ for every run, in place, in the precision of lora_precision.py;
+    per run what its backward needs (the fp32 scaled (G, L, R) shrink and the stacked operands)."""
+    dtypes = LoRADtypes.of(x_TI, y_TO)
     saved = []
     for run in runs:
         G, L = len(run.indices), run.length
-        x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
-        A_GRI = _STACKS.stacked([pairs[2 * i] for i in run.indices])
-        B_GOR = _STACKS.stacked([pairs[2 * i + 1] for i in run.indices])
-        # Scale the narrow (G, L, R) intermediate rather than the (G, L, O) result.
-        shrunk_GLR = torch.bmm(x_GLI, A_GRI.transpose(1, 2)).mul_(_scale_G11(run, x_GLI))
-        y_GLO = y_TO[run.start : run.end].view(G, L, -1)
-        if y_TO.dtype == torch.float32:
-            y_GLO.baddbmm_(shrunk_GLR, B_GOR.transpose(1, 2))
-        else:
-            y_GLO += torch.bmm(shrunk_GLR, B_GOR.transpose(1, 2)).to(y_TO.dtype)
+        x_GLI = x_TI[run.start : run.end].reshape(G, L, -1)
+        A_GRI, B_GOR = dtypes.operands(
+            [pairs[2 * i] for i in run.indices], [pairs[2 * i + 1] for i in run.indices]
+        )
+        product_GLR = bmm_fp32(x_GLI, A_GRI.transpose(1, 2))
+        shrunk_GLR = scaled_shrink(product_GLR, _scale_G11(run, product_GLR))
+        # Accumulated in fp32 and rounded once into y: no (G, L, O) delta of its own.
+        y_TO[run.start : run.end].view(G, L, -1).baddbmm_(
+            dtypes.expand_operand(shrunk_GLR), B_GOR.transpose(1, 2)
+        )
         saved += [shrunk_GLR, A_GRI, B_GOR]
     return saved
 
@@ -311,27 +260,31 @@ class _SegmentedLoRA(torch.autograd.Function):
             is_covered = sum(run.end - run.start for run in runs) == x_TI.shape[0]
             grad_x_TI = torch.empty_like(x_TI) if is_covered else torch.zeros_like(x_TI)
         grad_pairs: list[Tensor | None] = [None] * ctx.num_pairs
+        dtypes = LoRADtypes.of(x_TI, grad_TO)
         for k, run in enumerate(runs):
             shrunk_GLR, A_GRI, B_GOR = saved[3 * k : 3 * k + 3]
             G, L = len(run.indices), run.length
-            g_GLO = grad_TO[run.start : run.end].reshape(G, L, -1).float()
+            g_GLO = grad_TO[run.start : run.end].reshape(G, L, -1)
             needs_A = any(needs_pair[2 * i] for i in run.indices)
             if any(needs_pair[2 * i + 1] for i in run.indices):
-                grad_B_GOR = torch.bmm(g_GLO.transpose(1, 2), shrunk_GLR)
+                # Against the shrink as the expand took it (in y's dtype).
+                grad_B_GOR = bmm_fp32(g_GLO.transpose(1, 2), dtypes.expand_operand(shrunk_GLR))
                 for i, grad_B_OR in zip(run.indices, grad_B_GOR.unbind(0), strict=True):
                     if needs_pair[2 * i + 1]:
                         _accumulate(grad_pairs, 2 * i + 1, grad_B_OR)
             if not (needs_A or needs_x):
                 continue
-            g_shrunk_GLR = torch.bmm(g_GLO, B_GOR).mul_(_scale_G11(run, g_GLO))
+            product_GLR = bmm_fp32(g_GLO, B_GOR)
+            # The shrink's gradient, fp32 and narrow, enters the products with x and A in x's dtype.
+            g_shrunk_GLR = scaled_shrink(product_GLR, _scale_G11(run, product_GLR)).to(dtypes.compute)
             if needs_A:
-                x_GLI = x_TI[run.start : run.end].reshape(G, L, -1).float()
-                grad_A_GRI = torch.bmm(g_shrunk_GLR.transpose(1, 2), x_GLI)
+                x_GLI = x_TI[run.start : run.end].reshape(G, L, -1)
+                grad_A_GRI = bmm_fp32(g_shrunk_GLR.transpose(1, 2), x_GLI)
                 for i, grad_A_RI in zip(run.indices, grad_A_GRI.unbind(0), strict=True):
                     if needs_pair[2 * i]:
                         _accumulate(grad_pairs, 2 * i, grad_A_RI)
             if grad_x_TI is not None:
-                grad_x_TI[run.start : run.end] = torch.bmm(g_shrunk_GLR, A_GRI).view(G * L, -1)
+                torch.bmm(g_shrunk_GLR, A_GRI, out=grad_x_TI[run.start : run.end].view(G, L, -1))
         return grad_TO, grad_x_TI, None, *grad_pairs
 
 
