@@ -26,6 +26,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from loraplex.model.fp32_linear import linear_fp32
 from loraplex.model.tensor_parallel import SINGLE, WHOLE, LoRASharding, Split, TensorParallel, reduce_from_tp
 
 
@@ -373,10 +374,12 @@ class MultiLoRALinear(nn.Module):
         dtype: torch.dtype | None = None,
         tp: TensorParallel = SINGLE,
         is_row_parallel: bool = False,
+        is_fp32_output: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.is_fp32_output = is_fp32_output
         self.tp = tp
         self.split = tp.split(in_features, 1) if is_row_parallel else tp.split(out_features, 0)
         self._is_partial = is_row_parallel and self.split is not None  # outputs are partial sums
@@ -434,7 +437,8 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x_TI: Tensor, routing: LoRARouting | None = None) -> Tensor:
         """Base projection of every token once, plus each routed segment's slot delta."""
-        y_TO = nn.functional.linear(x_TI, self.weight, None if self._is_partial else self.bias)
+        project = linear_fp32 if self.is_fp32_output else nn.functional.linear
+        y_TO = project(x_TI, self.weight, None if self._is_partial else self.bias)
         if routing is not None:
             if routing.num_tokens != x_TI.shape[0]:
                 raise ValueError(
