@@ -8,7 +8,7 @@ product. Its backward gives the input's gradient in the input's dtype, also summ
 vocabulary, the long side); the weight and bias are frozen and get none. fp32 and float64 weights take
 `F.linear` itself: bitwise what they gave before.
 
-Shapes: T tokens (any leading dims), I in features, O out features.
+Shapes: T tokens, I in features, O out features.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def linear_fp32(x_TI: Tensor, weight_OI: Tensor, bias_O: Tensor | None = None) -
 
 
 def _forward(x_TI: Tensor, weight_OI: Tensor, bias_O: Tensor | None) -> Tensor:
-    y_TO = mm_fp32(x_TI.reshape(-1, x_TI.shape[-1]), weight_OI.T)
+    y_TO = mm_fp32(x_TI, weight_OI.T)
     if bias_O is not None:
         y_TO += bias_O
-    return y_TO.view(*x_TI.shape[:-1], -1)
+    return y_TO
 
 
 class _LinearFp32(torch.autograd.Function):
@@ -57,6 +57,5 @@ class _LinearFp32(torch.autograd.Function):
     def backward(ctx: Any, grad_TO: Tensor) -> tuple[Tensor, None, None]:
         (weight_OI,) = ctx.saved_tensors
         # The (T, O) gradient takes W's dtype (one copy of a chunk's logits), never W fp32 (a copy of W).
-        grad_2d = grad_TO.reshape(-1, grad_TO.shape[-1]).to(weight_OI.dtype)
-        grad_TI = mm_fp32(grad_2d, weight_OI).to(ctx.x_dtype)
-        return grad_TI.view(*grad_TO.shape[:-1], -1), None, None
+        grad_TI = mm_fp32(grad_TO.to(weight_OI.dtype), weight_OI).to(ctx.x_dtype)
+        return grad_TI, None, None
