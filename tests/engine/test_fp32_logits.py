@@ -7,14 +7,13 @@ lm_head), and the reference computes the head from it in float64 — h·Wᵀ + s
 bf16 W and fp32 A, B — then log_softmax in float64. The body's own bf16 rounding is the model's, not the
 head's: an fp32 run of the body would give other hidden states altogether.
 
-The bound, per logit (rounding.gamma, Higham §3.1 and Lemma 3.3): the base logit is a D-term dot product of
-exact bf16 products summed in fp32 (D roundings); the slot's delta rounds the D-term shrink, the scale, each
-R products with B and R + 1 sums into the base logit (D + R + 3 roundings on its longest path), so
-|ẑ - z| <= gamma_(D+R+3)·ž, with ž the same computation on absolute values, |h||W|ᵀ + scale·(|h||A|ᵀ)|B|ᵀ.
-rounding.log_softmax_bound carries that through the fp32 log_softmax and adds the log_softmax's own
-rounding. A bf16 logit rounds at least once more (the base product, then the delta's add), each time by up
-to 2⁻⁹·|z|: at the logit sizes of real models (|z| ~ 16 here: the tied weight scaled by 8, which bf16
-keeps exact) that is 0.03 a rounding; measured, 0.05 to 0.1 on the logprobs, far past both.
+The bound, per logit (rounding.linear_exact): the base logit is a D-term dot product of exact bf16 products
+summed in fp32; the slot's delta adds R + 3 roundings on its longest path, so |ẑ - z| <= gamma_(D+R+3)·ž,
+with ž the same computation on absolute values, |h||W|ᵀ + scale·(|h||A|ᵀ)|B|ᵀ. rounding.log_softmax_bound
+carries that through the fp32 log_softmax and adds the log_softmax's own rounding. A bf16 logit rounds at
+least once more (the base product, then the delta's add), each time by up to 2⁻⁹·|z|: at the logit sizes
+of real models (|z| ~ 16 here: the tied weight scaled by 8, which bf16 keeps exact) that is 0.03 a
+rounding; measured, 0.05 to 0.1 on the logprobs, far past both.
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from torch import Tensor
 from loraplex.engine.local import LocalEngine, build_local_engine
 from loraplex.engine.types import DatumInput, LoraConfig, PassRequest, SampleRequest, SamplingParams
 from loraplex.model.hf_checkpoint import load_decoder
-from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear
+from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear, Segment
 from tests.engine.conftest import randomize_lora_b
 from tests.engine.test_sampler import sample_one
-from tests.model.rounding import gamma, log_softmax_bound, to_numpy
+from tests.model.rounding import linear_exact, log_softmax_bound, to_numpy
 
 TARGET = 1e-4  # issue 30: bf16 models' logprobs within this of an fp32 reference
 LOGIT_SCALE = 8.0  # a power of two: the scaled bf16 weights are exact
@@ -72,21 +71,15 @@ def recorded_head(layer: MultiLoRALinear) -> Iterator[list[tuple[Tensor, Tensor]
 
 
 def exact_logits(layer: MultiLoRALinear, x_TD: Tensor, routing: LoRARouting | None) -> tuple[Tensor, Tensor]:
-    """(z, ε): the head's logits from its bf16 input computed in float64, and the fp32 rounding bound."""
-    h_TD = x_TD.detach().double()
-    weight_VD = layer.weight.double()
-    z_TV, magnitude_TV = h_TD @ weight_VD.T, h_TD.abs() @ weight_VD.abs().T
-    max_rank = 0
-    for segment in routing.segments if routing is not None else ():
+    """(z, ε): the head's logits from its bf16 input computed in float64, and the fp32 rounding bound,
+    each segment with its slot's delta (rounding.linear_exact)."""
+    segments = routing.segments if routing is not None else (Segment(None, 0, x_TD.shape[0]),)
+    parts = []
+    for segment in segments:
         slot = layer._slots.get(segment.slot) if segment.slot is not None else None
-        if slot is None:
-            continue
-        A_RD, B_VR = slot.A_RI.detach().double(), slot.B_OR.detach().double()
-        h = h_TD[segment.start : segment.end]
-        z_TV[segment.start : segment.end] += slot.scale * (h @ A_RD.T) @ B_VR.T
-        magnitude_TV[segment.start : segment.end] += slot.scale * (h.abs() @ A_RD.abs().T) @ B_VR.abs().T
-        max_rank = max(max_rank, A_RD.shape[0])
-    return z_TV, gamma(h_TD.shape[1] + max_rank + 3) * magnitude_TV
+        lora = None if slot is None else (slot.A_RI, slot.B_OR, slot.scale)
+        parts.append(linear_exact(x_TD[segment.start : segment.end], layer.weight, lora))
+    return torch.cat([z for z, _ in parts]), torch.cat([eps for _, eps in parts])
 
 
 def errors(got: np.ndarray, calls: list[tuple[Tensor, Tensor]], targets: np.ndarray) -> tuple[float, bool]:

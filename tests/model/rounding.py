@@ -132,3 +132,23 @@ def log_softmax_bound(logits_TV: Array, logit_bound_TV: Array, targets_TK: Array
     sum_error_T1 = U * np.abs(d_TV).max(-1, keepdims=True) + gamma(z_TV.shape[-1] + 4)
     rounding_TK = sum_error_T1 + U * (3 * np.abs(log_s_T1) + np.abs(m_T1) + np.abs(d_TK) + np.abs(lp_TK))
     return moved_TK + rounding_TK
+
+
+def linear_exact(
+    x_TI: torch.Tensor, weight_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, ε), float64: y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ of the given values computed exactly, and how far an
+    fp32-accumulated computation of it (fp32_linear.py with the slot's delta added in fp32) may lie from
+    it, elementwise. The base is an I-term dot product of exact products (bf16 x bf16 fits in fp32): I
+    roundings; the delta's longest path rounds the I-term shrink, the scale, each R-term product with B
+    and R + 1 sums into the base: I + R + 3 roundings. So |ŷ - y| <= gamma_(I+R+3)·ỹ, ỹ the same
+    computation on absolute values (Higham §3.1, Lemma 3.3)."""
+    x, weight = x_TI.detach().double(), weight_OI.detach().double()
+    y_TO, magnitude_TO = x @ weight.T, x.abs() @ weight.abs().T
+    rank = 0
+    if lora is not None:
+        A_RI, B_OR, scale = lora[0].detach().double(), lora[1].detach().double(), lora[2]
+        y_TO += scale * (x @ A_RI.T) @ B_OR.T
+        magnitude_TO += scale * (x.abs() @ A_RI.abs().T) @ B_OR.abs().T
+        rank = A_RI.shape[0]
+    return y_TO, gamma(x.shape[1] + rank + 3) * magnitude_TO
