@@ -362,6 +362,8 @@ class MultiLoRALinear(nn.Module):
     come through `copy_to_tp`) or, with `is_row_parallel`, of its input columns (the input is this
     rank's columns of x; the output is summed over the ranks here, base and slot deltas in one
     all-reduce, then the bias added once). Slots attach this rank's part of A and B (`lora_sharding`).
+    With `is_fp32_output` (the lm_head, whose logits feed fp32 logprobs) the output is fp32 whatever W's
+    dtype: the base projection keeps its fp32 sums (fp32_linear.py) and slot deltas are added in fp32.
     Parameters are allocated uninitialised: a checkpoint loader fills them.
     """
 
