@@ -74,6 +74,15 @@ def assert_within_rounding(
     assert_at_most(error, rounding_bound(want_np, exact, multiple, unit, got_np, got_exact), what)
 
 
+def gamma(n: int, unit: float = U) -> float:
+    """Higham's gamma_n = n·u / (1 - n·u): the relative error that n successive roundings of unit `unit`
+    may compound to (Accuracy and Stability of Numerical Algorithms, Lemma 3.1). A dot product of n exact
+    products summed in any order is within gamma_n·Σ|products| of the exact one (§3.1), and chained
+    computations add their n: gamma_a + gamma_b + gamma_a·gamma_b <= gamma_(a+b) (Lemma 3.3)."""
+    assert n * unit < 1, f"{n} roundings of unit {unit} bound nothing"
+    return n * unit / (1 - n * unit)
+
+
 def sum_rounding_bound(terms: Array) -> float:
     """How far an fp32 sum of `terms`, in any order, may lie from their exact sum: gamma_(n-1)·Σ|term|
     (Higham, Accuracy and Stability of Numerical Algorithms, §4.2), n the number of terms."""
@@ -95,3 +104,51 @@ def assert_at_most(error: float, bound: float, what: str) -> None:
     ratio = error / bound if bound else 0.0
     logger.debug("%s: error %.3g, bound %.3g, ratio %.3f", what, error, bound, ratio)
     assert error <= bound, f"{what}: error norm {error:.3g} exceeds its rounding bound {bound:.3g}"
+
+
+def log_softmax_bound(logits_TV: Array, logit_bound_TV: Array, targets_TK: Array) -> np.ndarray:
+    """(T, K): how far fp32 log_softmax(ẑ)[t, target] may lie from the exact log_softmax(z)[t, target],
+    for fp32 logits ẑ within `logit_bound` ε of the exact logits z (`logits_TV`, float64), elementwise.
+
+    Two parts. The logits' own error: lp_v = z_v - lse(z) moves by at most ε_v + log Σ_u p_u·exp(ε_u)
+    (lse is convex, so |lse(z + δ) - lse(z)| <= log Σ_u p_u·exp(|δ_u|), p = softmax(z); ≈ ε_v + Σ_u p_u·ε_u).
+    The fp32 log_softmax's rounding, first order (the O(u²) terms are below 1e-12 here), with d = z - m,
+    m = max z, S = Σ_u exp(d_u): each d_u rounds by u·|d_u|, which exp turns into a relative u·|d_u|; exp
+    itself is within 2 ulps (CUDA's expf; torch's CPU kernels 1), 4u relative; Σ of V positive terms adds
+    gamma_(V-1) relative — so S within u·max|d| + gamma_(V+4) relative, which log turns into as much
+    absolute, plus log's own ulp (2u·|log S|); then m and log S are subtracted from z_v in either order
+    (torch's CPU kernel forms m + log S first, CUDA's d - log S), each within u of its result.
+    """
+    z_TV, eps_TV = to_numpy(logits_TV), to_numpy(logit_bound_TV)
+    targets = to_numpy(targets_TK).astype(np.int64)
+    m_T1 = z_TV.max(-1, keepdims=True)
+    d_TV = z_TV - m_T1
+    log_s_T1 = np.log(np.exp(d_TV).sum(-1, keepdims=True))
+    p_TV = np.exp(d_TV - log_s_T1)
+    lse_moved_T1 = np.log((p_TV * np.exp(eps_TV)).sum(-1, keepdims=True))
+    moved_TK = np.take_along_axis(eps_TV, targets, -1) + lse_moved_T1
+    d_TK = np.take_along_axis(d_TV, targets, -1)
+    lp_TK = d_TK - log_s_T1
+    sum_error_T1 = U * np.abs(d_TV).max(-1, keepdims=True) + gamma(z_TV.shape[-1] + 4)
+    rounding_TK = sum_error_T1 + U * (3 * np.abs(log_s_T1) + np.abs(m_T1) + np.abs(d_TK) + np.abs(lp_TK))
+    return moved_TK + rounding_TK
+
+
+def linear_exact(
+    x_TI: torch.Tensor, weight_OI: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, ε), float64: y = x·Wᵀ + scale·(x·Aᵀ)·Bᵀ of the given values computed exactly, and how far an
+    fp32-accumulated computation of it (fp32_linear.py with the slot's delta added in fp32) may lie from
+    it, elementwise. The base is an I-term dot product of exact products (bf16 x bf16 fits in fp32): I
+    roundings; the delta's longest path rounds the I-term shrink, the scale, each R-term product with B
+    and R + 1 sums into the base: I + R + 3 roundings. So |ŷ - y| <= gamma_(I+R+3)·ỹ, ỹ the same
+    computation on absolute values (Higham §3.1, Lemma 3.3)."""
+    x, weight = x_TI.detach().double(), weight_OI.detach().double()
+    y_TO, magnitude_TO = x @ weight.T, x.abs() @ weight.abs().T
+    rank = 0
+    if lora is not None:
+        A_RI, B_OR, scale = lora[0].detach().double(), lora[1].detach().double(), lora[2]
+        y_TO += scale * (x @ A_RI.T) @ B_OR.T
+        magnitude_TO += scale * (x.abs() @ A_RI.abs().T) @ B_OR.abs().T
+        rank = A_RI.shape[0]
+    return y_TO, gamma(x.shape[1] + rank + 3) * magnitude_TO

@@ -27,7 +27,7 @@ from loraplex.model import hf_checkpoint
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.kv_cache import KVCache
-from loraplex.model.multi_lora import LoRARouting, init_slot_weights
+from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear, init_slot_weights
 from loraplex.model.packing import PackedSequences
 from loraplex.model.tensor_parallel import (
     LoRASharding,
@@ -299,10 +299,60 @@ def run_head(tp: TensorParallel, dtype: torch.dtype = torch.float32) -> HeadRun:
     return HeadRun(lps[0], lps[1], grads)
 
 
+@dataclass
+class Bf16HeadRun:
+    """A bf16 lm_head (fp32 output) with a LoRA slot, split by vocabulary rows: its inputs, whole logits,
+    the logprobs of both chunked paths and the hidden states' gradient (bf16, summed over the ranks)."""
+
+    inputs: dict[str, Tensor]  # W (V, D) and hidden (T, D) bf16; A, B fp32; targets (T,)
+    logits: Tensor
+    lp_chunked: Tensor
+    lp_per_token: Tensor
+    grad_hidden: Tensor
+
+
+BF16_HEAD_SCALE = 2.0
+
+
+def run_bf16_head(tp: TensorParallel) -> Bf16HeadRun:
+    """The lm_head as the decoder builds it, in bf16, over HEAD_V vocabulary rows (15 and 14 a rank)."""
+    generator = torch.Generator().manual_seed(6)
+    D = 64
+    inputs = {
+        "W": torch.randn(HEAD_V, D, generator=generator).bfloat16(),
+        "A": 0.3 * torch.randn(HEAD_R, D, generator=generator),
+        "B": 0.3 * torch.randn(HEAD_V, HEAD_R, generator=generator),
+        "hidden": torch.randn(HEAD_T, D, generator=generator).bfloat16(),
+        "targets": torch.randint(0, HEAD_V, (HEAD_T,), generator=generator),
+    }
+    layer = MultiLoRALinear(D, HEAD_V, False, dtype=torch.bfloat16, tp=tp, is_fp32_output=True)
+    with torch.no_grad():
+        layer.weight.copy_(part(inputs["W"], layer.split))
+    layer.attach(0, inputs["A"], part(inputs["B"], layer.lora_sharding(HEAD_R).B), BF16_HEAD_SCALE)
+    routing = LoRARouting.from_sequences([HEAD_T], [0])
+    vocab = None if layer.split is None else VocabShard(layer.split, tp)
+
+    def head_fn(h_CD: Tensor, start: int, end: int) -> Tensor:
+        return layer(h_CD, routing.slice(start, end))
+
+    with torch.no_grad():
+        logits = gather_vocab(layer(inputs["hidden"], routing), vocab)
+        lp_chunked = chunked_token_logprobs(inputs["hidden"], head_fn, inputs["targets"], 5, vocab)
+    leaf_TD = inputs["hidden"].clone().requires_grad_()
+    with torch.enable_grad():
+        h_TD = copy_to_tp(leaf_TD, tp)
+        lp_per_token, grad_TD = chunked_token_logprobs_backward(
+            h_TD, head_fn, inputs["targets"], 5, lambda lp_C, s, e: lp_C.sum(), vocab
+        )
+        h_TD.backward(grad_TD)
+    assert leaf_TD.grad is not None
+    return Bf16HeadRun(inputs, logits, lp_chunked, lp_per_token, leaf_TD.grad)
+
+
 def run_all(model_dirs: list[Path], tp: TensorParallel) -> dict[str, Any]:
     """Every scenario, in one order on every rank; per model its ModelRun, the head's HeadRun, and what
     each rank read and holds (gathered to every rank)."""
-    results: dict[str, Any] = {"head": run_head(tp)}
+    results: dict[str, Any] = {"head": run_head(tp), "bf16_head": run_bf16_head(tp)}
     for model_dir in model_dirs:
         run = run_model(model_dir, tp)
         per_rank = [None] * tp.size

@@ -161,10 +161,11 @@ def dense_bounds(
     Forward:  s = fl32((x Aᵀ) over I)·scale in fp32, rounded to y's dtype for the expand;
               out = (y + s Bᵀ over R, one fp32 sum) rounded once to y's dtype.
     Backward: grad_B = gᵀ s over the segment's L tokens, fp32; g_s = (g B over O)·scale, rounded to
-              x's dtype; grad_A = g_sᵀ x over L, fp32; grad_x = (g_s A over R) rounded to x's dtype.
-    A in x's dtype, B in y's: the exact values use A and B as the op rounds them.
+              the compute dtype; grad_A = g_sᵀ x over L, fp32; grad_x = (g_s A over R) rounded to x's dtype.
+    A in the compute dtype (x's, or y's where y is wider: the fp32-logits lm_head), B in y's: the exact
+    values use A and B as the op rounds them.
     """
-    compute, output = x.dtype, y.dtype
+    compute, output = torch.promote_types(x.dtype, y.dtype), y.dtype
     outs, grad_xs, grads = [], [], {}
     for segment in DENSE_LAYOUT.segments:
         rows = slice(segment.start, segment.end)
@@ -178,7 +179,7 @@ def dense_bounds(
         shrunk = (x_part @ A_c.mT).scaled(scale).rounded(output)
         outs.append(shrunk.matmul_plus(B_e.mT, y_part).rounded(output))
         g_shrunk = (g_part @ B_e).scaled(scale).rounded(compute)
-        grad_xs.append((g_shrunk @ A_c).rounded(compute))
+        grad_xs.append((g_shrunk @ A_c).rounded(x.dtype))
         grad_A, grad_B = g_shrunk.mT @ x_part, g_part.mT @ shrunk
         if segment.slot in grads:  # a second segment: the two fp32 gradients summed in fp32
             first_A, first_B = grads[segment.slot]

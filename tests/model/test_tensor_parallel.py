@@ -27,10 +27,20 @@ from loraplex.model.moe import ExpertLinear
 from loraplex.model.multi_lora import init_slot_weights
 from loraplex.model.tensor_parallel import SINGLE, Split, TensorParallel
 from tests.model.float64 import float64_experts
-from tests.model.rounding import assert_within_rounding, rounding_bound, to_numpy
+from tests.model.rounding import (
+    BF16_U,
+    assert_within_rounding,
+    linear_exact,
+    log_softmax_bound,
+    rounding_bound,
+    to_numpy,
+)
 from tests.model.tensor_parallel_scenarios import (
+    BF16_HEAD_SCALE,
+    HEAD_V,
     LENGTHS,
     PARTIAL_KEY,
+    Bf16HeadRun,
     HeadRun,
     ModelRun,
     run_all,
@@ -156,6 +166,35 @@ def test_vocab_parallel_logprobs_and_gradients_over_an_odd_vocabulary(two_ranks)
     assert got.grads.keys() == want.grads.keys()
     for key, grad in got.grads.items():
         assert_within_rounding(grad, want.grads[key], exact.grads[key], f"grad {key}")
+
+
+def test_a_bf16_vocab_parallel_lm_head_gives_fp32_logits_and_logprobs_within_the_fp32_heads_rounding(
+    two_ranks,
+) -> None:
+    """Each rank's fp32 logit rows, gathered, and the logprobs normalised over both ranks' rows are those of
+    the bf16 values computed exactly, within the fp32 head's rounding (rounding.linear_exact,
+    rounding.log_softmax_bound) and issue 30's 1e-4; the hidden gradient stays bf16, within bf16 rounding
+    of its exact value (the per-token objective Σ lp: g = onehot - softmax, |g| <= 2 a row)."""
+    got: Bf16HeadRun = two_ranks["bf16_head"]
+    inputs = got.inputs
+    z_TV, eps_TV = linear_exact(inputs["hidden"], inputs["W"], (inputs["A"], inputs["B"], BF16_HEAD_SCALE))
+    assert got.logits.dtype == torch.float32
+    assert torch.all((got.logits.double() - z_TV).abs() <= eps_TV)
+    targets_T1 = inputs["targets"][:, None]
+    exact_T = torch.log_softmax(z_TV, -1).gather(-1, targets_T1)[:, 0]
+    bound_T = torch.from_numpy(log_softmax_bound(z_TV, eps_TV, targets_T1)[:, 0])
+    for lp_T in (got.lp_chunked, got.lp_per_token):
+        assert lp_T.dtype == torch.float32
+        assert torch.all((lp_T.double() - exact_T).abs() <= bound_T)
+        assert (lp_T.double() - exact_T).abs().max() <= 1e-4
+    W_VD, A_RD, B_VR = (inputs[name].double() for name in ("W", "A", "B"))
+    g_TV = torch.nn.functional.one_hot(inputs["targets"], HEAD_V).double() - torch.softmax(z_TV, -1)
+    exact_grad = g_TV @ (W_VD + BF16_HEAD_SCALE * B_VR @ A_RD)
+    magnitude = g_TV.abs() @ (W_VD.abs() + BF16_HEAD_SCALE * B_VR.abs() @ A_RD.abs())
+    assert got.grad_hidden.dtype == torch.bfloat16
+    # bf16 roundings of 2⁻⁸ relative dominate the fp32 sums': g before the base product, each of the base's
+    # and the delta's parts, their sum, and the two ranks' all-reduced sum: at most 5 of the magnitude.
+    assert torch.all((got.grad_hidden.double() - exact_grad).abs() <= 6 * BF16_U * magnitude)
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -25,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 
 from loraplex.model.tensor_parallel import VocabShard, collective
 
-# head_fn(hidden_CD, start, end) -> logits_CV for packed tokens [start, end); any float dtype.
+# head_fn(hidden_CD, start, end) -> logits_CV for packed tokens [start, end); any float dtype. The lm_head's
+# are fp32 already (model/fp32_linear.py), so the `.float()` below copies nothing; others are upcast there.
 HeadFn = Callable[[Tensor, int, int], Tensor]
 # objective_fn(lp_CK, start, end) -> 0-D objective of packed tokens [start, end), a function of lp_CK alone.
 ObjectiveFn = Callable[[Tensor, int, int], Tensor]

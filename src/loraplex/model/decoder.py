@@ -21,6 +21,7 @@ of every block: attention by heads (N/T query and K/T kv heads; the per-head q/k
 MLP by its width, an MoE layer's experts E/T whole experts a rank (its router whole: moe.py), the embedding
 and lm_head by vocabulary rows; everything else is whole on every rank.
 Hidden states are whole on every rank, and `lm_head` gives this rank's vocabulary rows of the logits.
+`lm_head`'s logits are fp32 whatever the weights' dtype (fp32_linear.py: logprobs are outputs too).
 Knows nothing of HTTP, SQL, runs, tenants or files (hf_checkpoint.py reads checkpoints).
 
 Shapes: T packed tokens, D hidden, N query heads, K kv heads, H head dim, F MLP width, V vocab,
@@ -219,7 +220,10 @@ class Decoder(nn.Module):
             }
         )
         self.rotary = RotaryEmbedding(config, device)
-        self.lm_head = MultiLoRALinear(config.hidden_size, config.vocab_size, False, device, dtype, tp)
+        # fp32 logits from bf16 weights at the bf16 product's cost: logprobs, not just argmax, are outputs.
+        self.lm_head = MultiLoRALinear(
+            config.hidden_size, config.vocab_size, False, device, dtype, tp, is_fp32_output=True
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Only slot tensors (held by reference, not registered here) are ever trained.

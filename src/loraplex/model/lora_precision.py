@@ -2,8 +2,9 @@
 
 A slot's A and B are fp32 master weights, the slot pool's, which AdamW updates in fp32. A delta
 y += scale · (x Aᵀ) Bᵀ computes with copies of them in the activations' dtypes (`LoRADtypes`):
-- the shrink s = (x Aᵀ) · scale takes x and A in x's dtype (the compute dtype: bf16 on GPUs),
-  accumulates in fp32 and is kept in fp32 (`scaled_shrink`): it is narrow (R wide), and the backward
+- the shrink s = (x Aᵀ) · scale takes x and A in the compute dtype (x's, bf16 on GPUs; y's where y is
+  wider, as the fp32-logits lm_head's is, whose delta is then all fp32), accumulates in fp32 and is
+  kept in fp32 (`scaled_shrink`): it is narrow (R wide), and the backward
   reuses it. Where the kernel can only return its operands' dtype (torch._grouped_mm, the experts'),
   s is rounded to that dtype once before the scale;
 - the expand takes s and B in y's dtype (the output dtype, x's too but for an fp32 lm_head) and adds
@@ -41,8 +42,10 @@ class LoRADtypes(NamedTuple):
 
     @classmethod
     def of(cls, x: Tensor, y: Tensor) -> LoRADtypes:
-        """The rule for a delta of input x added into output y."""
-        return cls(x.dtype, y.dtype)
+        """The rule for a delta of input x added into output y. An output wider than x (the lm_head's fp32
+        logits, model/fp32_linear.py) takes the whole delta at its own precision, A included, so the only
+        bf16 rounding its logits see is x's own."""
+        return cls(torch.promote_types(x.dtype, y.dtype), y.dtype)
 
     def operands(self, As: list[Tensor], Bs: list[Tensor]) -> tuple[Tensor, Tensor]:
         """G slots' (A_GRI in the compute dtype, B_GOR in the output dtype), stacked (`_StackCache`)."""

@@ -3,7 +3,7 @@
 `LoRARouting` says which slot each contiguous run of packed tokens uses; it is built once per batch
 and passed to every `MultiLoRALinear`. `add_lora_delta` (one custom autograd node, `_SegmentedLoRA`) is
 the one place the delta is computed, with `add_lora_delta_reference` (a per-token loop) beside it;
-changing the strategy changes this file only. Its precision (A in x's dtype, B in y's, fp32
+changing the strategy changes this file only. Its precision (A in the compute dtype, B in y's, fp32
 accumulation, the delta added into y with one rounding, fp32 gradients for the fp32 A and B) is
 lora_precision.py's rule, the experts' too.
 The slot tensors belong to the engine's slot pool: layers keep references, never copies. Under tensor
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from loraplex.model.fp32_linear import linear_fp32
 from loraplex.model.fp32_matmul import bmm_fp32
 from loraplex.model.host_copy import to_device
 from loraplex.model.lora_precision import LoRADtypes, scaled_shrink
@@ -275,7 +276,7 @@ class _SegmentedLoRA(torch.autograd.Function):
             if not (needs_A or needs_x):
                 continue
             product_GLR = bmm_fp32(g_GLO, B_GOR)
-            # The shrink's gradient, fp32 and narrow, enters the products with x and A in x's dtype.
+            # The shrink's gradient, fp32 and narrow, enters the products with x and A in the compute dtype.
             g_shrunk_GLR = scaled_shrink(product_GLR, _scale_G11(run, product_GLR)).to(dtypes.compute)
             if needs_A:
                 x_GLI = x_TI[run.start : run.end].reshape(G, L, -1)
@@ -284,7 +285,11 @@ class _SegmentedLoRA(torch.autograd.Function):
                     if needs_pair[2 * i]:
                         _accumulate(grad_pairs, 2 * i, grad_A_RI)
             if grad_x_TI is not None:
-                torch.bmm(g_shrunk_GLR, A_GRI, out=grad_x_TI[run.start : run.end].view(G, L, -1))
+                grad_x_GLI = grad_x_TI[run.start : run.end].view(G, L, -1)
+                if grad_x_GLI.dtype == g_shrunk_GLR.dtype:
+                    torch.bmm(g_shrunk_GLR, A_GRI, out=grad_x_GLI)
+                else:  # a delta computed wider than x (an fp32 output's): rounded once into x's dtype
+                    grad_x_GLI.copy_(torch.bmm(g_shrunk_GLR, A_GRI))
         return grad_TO, grad_x_TI, None, *grad_pairs
 
 
@@ -316,6 +321,8 @@ class MultiLoRALinear(nn.Module):
     come through `copy_to_tp`) or, with `is_row_parallel`, of its input columns (the input is this
     rank's columns of x; the output is summed over the ranks here, base and slot deltas in one
     all-reduce, then the bias added once). Slots attach this rank's part of A and B (`lora_sharding`).
+    With `is_fp32_output` (the lm_head, whose logits feed fp32 logprobs) the output is fp32 whatever W's
+    dtype: the base projection keeps its fp32 sums (fp32_linear.py) and slot deltas are added in fp32.
     Parameters are allocated uninitialised: a checkpoint loader fills them.
     """
 
@@ -328,10 +335,12 @@ class MultiLoRALinear(nn.Module):
         dtype: torch.dtype | None = None,
         tp: TensorParallel = SINGLE,
         is_row_parallel: bool = False,
+        is_fp32_output: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.is_fp32_output = is_fp32_output
         self.tp = tp
         self.split = tp.split(in_features, 1) if is_row_parallel else tp.split(out_features, 0)
         self._is_partial = is_row_parallel and self.split is not None  # outputs are partial sums
@@ -389,7 +398,8 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x_TI: Tensor, routing: LoRARouting | None = None) -> Tensor:
         """Base projection of every token once, plus each routed segment's slot delta."""
-        y_TO = nn.functional.linear(x_TI, self.weight, None if self._is_partial else self.bias)
+        project = linear_fp32 if self.is_fp32_output else nn.functional.linear
+        y_TO = project(x_TI, self.weight, None if self._is_partial else self.bias)
         if routing is not None:
             if routing.num_tokens != x_TI.shape[0]:
                 raise ValueError(

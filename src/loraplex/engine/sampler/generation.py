@@ -221,8 +221,8 @@ class Sampler:
         return tokens + self.max_batch * BLOCK_TOKENS
 
     def _logits(self, hidden_TD: Tensor, routing: LoRARouting) -> Tensor:
-        """(T, V) logits over the whole vocabulary (gathered from every rank's rows under tensor
-        parallelism), with each token's adapter."""
+        """(T, V) fp32 logits over the whole vocabulary (gathered from every rank's rows under tensor
+        parallelism), with each token's adapter; fp32 from the lm_head itself, so no step casts them."""
         return gather_vocab(self.decoder.lm_head(hidden_TD, routing), self.decoder.vocab_shard)
 
     @torch.no_grad()
