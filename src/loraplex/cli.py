@@ -162,6 +162,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             config.model_name,
             config.pass_token_budget,
             tp,
+            config.compile,
         )
         engine.sampler.limits = sampling_limits(config)
         return engine
@@ -282,6 +283,7 @@ _ENGINE_OPTIONS = (
     "model",
     "model_name",
     "device",
+    "compile",
     "max_slots",
     "max_rank",
     "data_dir",
