@@ -165,6 +165,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             config.model_name,
             config.pass_token_budget,
             tp,
+            config.compile,
         )
         engine.sampler.limits = sampling_limits(config)
         engine.sampler.max_batch = config.max_sampling_batch
@@ -294,6 +295,7 @@ _ENGINE_OPTIONS = (
     "model",
     "model_name",
     "device",
+    "compile",
     "max_slots",
     "max_rank",
     "data_dir",

@@ -24,6 +24,12 @@ class ServerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Compute device; auto = cuda if present."
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Fuse the decoder's elementwise math (RMSNorm, rope, SwiGLU, residual adds) with "
+        "torch.compile; auto = on on CUDA. The first passes after start-up pay the compile (tens of "
+        "seconds; cached across restarts in the inductor cache).",
+    )
     max_slots: int = Field(
         8,
         ge=1,

@@ -37,6 +37,7 @@ from loraplex.engine.types import (
 from loraplex.engine.validation import validate_pass_request
 from loraplex.errors import ServerError, UserError
 from loraplex.model.decoder import Decoder
+from loraplex.model.elementwise import elementwise_for
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
 from loraplex.model.tensor_parallel import SINGLE, TensorParallel
 from loraplex.model.tiny import TINY_MODEL_NAME, ensure_tiny_model
@@ -347,9 +348,11 @@ def build_local_engine(
     model_name: str | None,
     max_pass_tokens: int | None = None,
     tp: TensorParallel = SINGLE,
+    compile_setting: str = "auto",
 ) -> LocalEngine:
     """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`, this rank's
-    part of it under tensor parallelism (`tp`); passes past `max_pass_tokens` run in pieces."""
+    part of it under tensor parallelism (`tp`); passes past `max_pass_tokens` run in pieces; the decoder's
+    elementwise math fused by torch.compile as `compile_setting` says (`serve --compile`)."""
     is_tiny = model == "tiny"
     # Absolute: get_info reports it as the tokenizer's location, which clients elsewhere must find.
     model_dir = (ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser()).resolve()
@@ -361,6 +364,7 @@ def build_local_engine(
     # bf16 matmul on CPUs is ~100x slower than fp32; GPUs hold the frozen base in bf16.
     dtype = torch.float32 if torch_device.type == "cpu" else torch.bfloat16
     decoder = load_decoder(model_dir, torch_device, dtype, tp)
+    decoder.use_elementwise(elementwise_for(compile_setting, torch_device))
     config = decoder.config
     info = EngineInfo(
         model_name=model_name or (TINY_MODEL_NAME if is_tiny else model_dir.name),

@@ -9,6 +9,8 @@ What differs per family (each a DecoderConfig field, never a branch on the famil
 - sparse MoE MLP (router + experts, moe.py) in the layers `is_moe_layer` names: Qwen3-MoE.
 - lm_head tied to embed_tokens: any family, when `tie_word_embeddings`.
 Shared: pre-norm RMSNorm blocks, grouped-query attention, SwiGLU MLP, rope in HF's half-split layout.
+The elementwise math between the matmuls (norms, rope, SwiGLU, the residual add before the MLP's norm)
+is elementwise.py's: eager, or fused by torch.compile when the engine asks (`use_elementwise`).
 
 Module names follow HF's (`model.layers.0.self_attn.q_proj`, `lm_head`), so checkpoint keys and PEFT
 module paths are our own names; the one exception is an MoE layer's experts, stacked per projection
@@ -36,8 +38,9 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from loraplex.model.attention import RotaryEmbedding, apply_rope, packed_attention
+from loraplex.model.attention import RotaryEmbedding, packed_attention
 from loraplex.model.config import DecoderConfig
+from loraplex.model.elementwise import EAGER, Elementwise
 from loraplex.model.kv_cache import CacheStep
 from loraplex.model.moe import ExpertLinear, SparseMoE
 from loraplex.model.multi_lora import LoRARouting, LoRATarget, MultiLoRALinear
@@ -76,12 +79,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device=device, dtype=dtype))
+        self.elementwise = EAGER
 
     def forward(self, x: Tensor) -> Tensor:
-        x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        # Cast back before the weight, as HF does, so bf16 results match it bit for bit.
-        return self.weight * normed.to(x.dtype)
+        return self.elementwise.rms_norm(x, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -127,6 +128,7 @@ class Attention(nn.Module):
         self.o_proj = MultiLoRALinear(N * H, D, config.o_bias, device, dtype, tp, is_row_parallel=True)
         self.q_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(H, config.rms_norm_eps, device, dtype) if config.qk_norm else None
+        self.elementwise = EAGER
 
     def forward(
         self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
@@ -138,7 +140,8 @@ class Attention(nn.Module):
         v_TKH = self.v_proj(x_TD, routing).view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q_TNH, k_TKH = self.q_norm(q_TNH), self.k_norm(k_TKH)
-        q_TNH, k_TKH = apply_rope(q_TNH, *rope_TH), apply_rope(k_TKH, *rope_TH)
+        rotate = self.elementwise.apply_rope
+        q_TNH, k_TKH = rotate(q_TNH, *rope_TH), rotate(k_TKH, *rope_TH)
         out_TNH = attend(q_TNH, k_TKH, v_TKH)
         return self.o_proj(out_TNH.reshape(T, self.num_heads * self.head_dim), routing)
 
@@ -155,10 +158,11 @@ class MLP(nn.Module):
         self.gate_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype, tp)
         self.up_proj = MultiLoRALinear(D, F, config.mlp_bias, device, dtype, tp)
         self.down_proj = MultiLoRALinear(F, D, config.mlp_bias, device, dtype, tp, is_row_parallel=True)
+        self.elementwise = EAGER
 
     def forward(self, x_TD: Tensor, routing: LoRARouting | None) -> Tensor:
         x_TD = copy_to_tp(x_TD, self.tp)  # once for gate and up: one gradient all-reduce
-        hidden_TF = nn.functional.silu(self.gate_proj(x_TD, routing)) * self.up_proj(x_TD, routing)
+        hidden_TF = self.elementwise.swiglu(self.gate_proj(x_TD, routing), self.up_proj(x_TD, routing))
         return self.down_proj(hidden_TF, routing)
 
 
@@ -182,12 +186,15 @@ class Block(nn.Module):
             if config.is_moe_layer(layer)
             else MLP(config, tp, device, dtype)
         )
+        self.elementwise = EAGER
 
     def forward(
         self, x_TD: Tensor, rope_TH: tuple[Tensor, Tensor], attend: AttendFn, routing: LoRARouting | None
     ) -> Tensor:
-        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, attend, routing)
-        return x_TD + self.mlp(self.post_attention_layernorm(x_TD), routing)
+        attended_TD = self.self_attn(self.input_layernorm(x_TD), rope_TH, attend, routing)
+        norm = self.post_attention_layernorm
+        x_TD, normed_TD = self.elementwise.add_rms_norm(x_TD, attended_TD, norm.weight, norm.eps)
+        return x_TD + self.mlp(normed_TD, routing)
 
 
 class Decoder(nn.Module):
@@ -228,6 +235,15 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # Only slot tensors (held by reference, not registered here) are ever trained.
         self.requires_grad_(False)
+        self.elementwise = EAGER
+
+    def use_elementwise(self, elementwise: Elementwise) -> None:
+        """Run every block's norms, rope, SwiGLU and residual adds with `elementwise`: EAGER, or fused()
+        (elementwise.py: the same functions through torch.compile)."""
+        self.elementwise = elementwise
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP | Block | SparseMoE):
+                module.elementwise = elementwise
 
     def forward(
         self, tokens_T: Tensor, packing: PackedSequences, routing: LoRARouting | None = None

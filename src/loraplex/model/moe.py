@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from loraplex.model.config import DecoderConfig
+from loraplex.model.elementwise import EAGER
 from loraplex.model.grouped_mm import grouped_mm
 from loraplex.model.lora_precision import LoRADtypes, scaled_shrink
 from loraplex.model.multi_lora import LoRARouting, SlotWeights
@@ -260,6 +261,7 @@ class SparseMoE(nn.Module):
             }
         )
         self.load_E: Tensor | None = None
+        self.elementwise = EAGER  # the decoder's choice (Decoder.use_elementwise)
 
     def route(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
         """(weights_TP in x's dtype, experts_TP): top-P of the fp32 softmax over router logits, as HF does."""
@@ -286,7 +288,9 @@ class SparseMoE(nn.Module):
         # Each token repeated once per pick, then permuted: a gather whose backward adds no two rows into one.
         x_ND = x_TD[:, None, :].expand(T, self.top_k, D).reshape(-1, D).index_select(0, groups.order_N)
         experts = self.experts
-        hidden_NF = nn.functional.silu(experts["gate_proj"](x_ND, groups)) * experts["up_proj"](x_ND, groups)
+        hidden_NF = self.elementwise.swiglu(
+            experts["gate_proj"](x_ND, groups), experts["up_proj"](x_ND, groups)
+        )
         y_ND = experts["down_proj"](hidden_NF, groups)
         # Back to (token, pick) order, then the weighted sum over picks: no scattered adds.
         y_TPD = y_ND.new_empty(y_ND.shape).index_copy_(0, groups.order_N, y_ND).view(T, self.top_k, D)
