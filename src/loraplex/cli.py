@@ -162,6 +162,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             config.model_name,
             config.pass_token_budget,
             tp,
+            config.max_sampling_snapshots,
         )
         engine.sampler.limits = sampling_limits(config)
         return engine
@@ -289,6 +290,7 @@ _ENGINE_OPTIONS = (
     "rank_start_timeout_s",
     "pass_token_budget",
     "tp",
+    "max_sampling_snapshots",
 )
 
 
