@@ -166,6 +166,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             config.pass_token_budget,
             tp,
             config.compile,
+            config.max_sampling_snapshots,
         )
         engine.sampler.limits = sampling_limits(config)
         engine.sampler.max_batch = config.max_sampling_batch
@@ -303,6 +304,7 @@ _ENGINE_OPTIONS = (
     "rank_start_timeout_s",
     "pass_token_budget",
     "tp",
+    "max_sampling_snapshots",
 )
 
 

@@ -230,6 +230,13 @@ class ServerConfig(BaseModel):
         description="Prompt tokens the sampler prefills between two training passes (beyond the first "
         "prompt), so new prompts neither stall training nor the sequences already decoding.",
     )
+    max_sampling_snapshots: int = Field(
+        64,
+        ge=1,
+        description="Snapshots that sample at once: the entries of the sampler's snapshot pool, allocated at "
+        "start at --max-rank on every adapted layer (docs/MEMORY.md); a request for another waits for one "
+        "to be released, then the least recently used is evicted.",
+    )
     max_queued_samples: int = Field(
         4096,
         ge=1,

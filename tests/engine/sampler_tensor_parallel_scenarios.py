@@ -87,7 +87,13 @@ def run_sampler(model_dir: Path, tp: TensorParallel, dtype: torch.dtype = torch.
     run it."""
     decoder = load_decoder(model_dir, "cpu", dtype, tp)
     sampler = Sampler(
-        decoder, model_dir, max_context_length=32, max_batch=8, snapshot_capacity=2, chunk_size=CHUNK
+        decoder,
+        model_dir,
+        max_context_length=32,
+        max_batch=8,
+        snapshot_capacity=2,
+        max_rank=max(config.rank for config, _ in SNAPSHOTS.values()),
+        chunk_size=CHUNK,
     )
     pending = requests(model_dir)
     late = pending.pop(JOINS_LATE)

@@ -204,7 +204,7 @@ def test_snapshot_round_trips_to_the_slots_weights_and_samples_like_the_slot(
         for path, (A, B) in snapshot.pairs.items():
             assert torch.equal(A, weights[f"{path}.lora_A.weight"].detach())
             assert torch.equal(B, weights[f"{path}.lora_B.weight"].detach())
-    cache = SnapshotCache(decoder.lora_targets(), capacity=1)
+    cache = SnapshotCache(decoder.lora_targets(), capacity=1, max_rank=config.rank)
     snapshot_id = cache.acquire(tmp_path / "s1")
     tokens = torch.randint(0, MOE_SHAPES["vocab_size"], (9,))
     packing = PackedSequences.from_lengths([9])

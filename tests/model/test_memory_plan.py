@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loraplex.bench.presets import PRESETS
+from loraplex.engine.sampler.snapshot_cache import SnapshotCache
 from loraplex.model.config import DecoderConfig
 from loraplex.model.decoder import LORA_GROUPS, Decoder
 from loraplex.model.kv_cache import KVCache
@@ -26,6 +27,7 @@ from loraplex.model.memory_plan import (
     kv_bytes_per_token,
     lora_parameters,
     plan_rank,
+    snapshot_pool_bytes,
 )
 from loraplex.model.presets import PUBLISHED, QWEN3
 from loraplex.model.tensor_parallel import TensorParallel
@@ -90,6 +92,14 @@ def test_at_two_ranks_the_plan_counts_what_each_rank_of_an_moe_decoder_allocates
     decoder = Decoder(config, device="meta", dtype=torch.bfloat16, tp=TensorParallel(None, rank, 2))
     assert base_parameters(config, 2) == sum(p.numel() for p in decoder.parameters())
     _assert_lora_counted(config, decoder, 2)
+
+
+@pytest.mark.parametrize(("name", "tp", "rank"), [("smoke", 1, 0), ("smoke-moe", 1, 0), ("smoke-moe", 2, 1)])
+def test_the_plan_counts_the_snapshot_pool_each_rank_allocates(name: str, tp: int, rank: int) -> None:
+    config = config_of(name)
+    decoder = Decoder(config, device="meta", dtype=torch.bfloat16, tp=TensorParallel(None, rank, tp))
+    pools = SnapshotCache(decoder.lora_targets(), capacity=5, max_rank=8)
+    assert pools.pool_bytes == snapshot_pool_bytes(config, tp, 2, entries=5, rank=8)
 
 
 def _assert_lora_counted(config: DecoderConfig, decoder: Decoder, tp: int) -> None:

@@ -44,9 +44,10 @@ from loraplex.model.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
 # Tokens per lm_head chunk: bounds the loss path's extra memory at chunk × vocab fp32 values.
 DEFAULT_LOGPROB_CHUNK = 1024
-# Sequences of one decode step (a request's samples are never split) and snapshots kept on the device.
+# Sequences of one decode step (a request's samples are never split) and snapshots kept on the device
+# (the snapshot pool's entries: `loraplex serve --max-sampling-snapshots`).
 DEFAULT_MAX_SAMPLING_BATCH = 128
-DEFAULT_SNAPSHOT_CAPACITY = 8
+DEFAULT_MAX_SAMPLING_SNAPSHOTS = 64
 
 
 @dataclass
@@ -82,7 +83,7 @@ class LocalEngine(Engine):
         max_slots: int,
         logprob_chunk: int = DEFAULT_LOGPROB_CHUNK,
         max_sampling_batch: int = DEFAULT_MAX_SAMPLING_BATCH,
-        snapshot_capacity: int = DEFAULT_SNAPSHOT_CAPACITY,
+        snapshot_capacity: int = DEFAULT_MAX_SAMPLING_SNAPSHOTS,
         max_pass_tokens: int | None = None,
     ) -> None:
         self.decoder = decoder
@@ -101,6 +102,7 @@ class LocalEngine(Engine):
             info.max_context_length,
             max_sampling_batch,
             snapshot_capacity,
+            info.max_rank,
             logprob_chunk,
         )
 
@@ -349,10 +351,12 @@ def build_local_engine(
     max_pass_tokens: int | None = None,
     tp: TensorParallel = SINGLE,
     compile_setting: str = "auto",
+    max_sampling_snapshots: int = DEFAULT_MAX_SAMPLING_SNAPSHOTS,
 ) -> LocalEngine:
     """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`, this rank's
     part of it under tensor parallelism (`tp`); passes past `max_pass_tokens` run in pieces; the decoder's
-    elementwise math fused by torch.compile as `compile_setting` says (`serve --compile`)."""
+    elementwise math fused by torch.compile as `compile_setting` says (`serve --compile`); up to
+    `max_sampling_snapshots` snapshots sample at once."""
     is_tiny = model == "tiny"
     # Absolute: get_info reports it as the tokenizer's location, which clients elsewhere must find.
     model_dir = (ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser()).resolve()
@@ -376,4 +380,6 @@ def build_local_engine(
         base_model_digest=base_model_digest(model_dir),
         device=str(torch_device),
     )
-    return LocalEngine(decoder, info, max_slots, max_pass_tokens=max_pass_tokens)
+    return LocalEngine(
+        decoder, info, max_slots, max_pass_tokens=max_pass_tokens, snapshot_capacity=max_sampling_snapshots
+    )

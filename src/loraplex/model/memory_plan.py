@@ -23,8 +23,13 @@ A slot holds what the engine allocates for it (engine/optimizer.py: AdamSlot; en
 tests/engine/test_parameter_bytes.py checks base, adapter and optimizer against a live engine at T = 1;
 tests/model/test_memory_plan.py the base and LoRA of each rank of an MoE decoder at T = 2.
 
+The sampler's snapshot pool (model/lora_pool.py; on the ranks that sample) holds, on every dense LoRA
+target, P + 1 entries (--max-sampling-snapshots, and a zero entry) of the server's largest rank R in the
+base dtype: (P + 1)·R·(in + out) values, whatever the snapshots' own ranks (`snapshot_pool_bytes`).
+
 Not planned here: activations, which a pass's --pass-token-budget bounds rather than the model (hence the
-headroom of `fits`), the sampler's resident snapshots, the CUDA context and the allocator's slack.
+headroom of `fits`), the resident snapshots' fp32 copies that prefill routes by (a snapshot's adapter
+bytes each, on the expert layers too), the CUDA context and the allocator's slack.
 """
 
 from __future__ import annotations
@@ -152,6 +157,7 @@ class _Linear:
     out_features: int
     copies: int = 1
     bias: int = 0
+    is_expert: bool = False  # a projection of every expert (no snapshot pool: lora_pool.py)
 
     @property
     def parameters(self) -> int:
@@ -178,9 +184,9 @@ def _linears(config: DecoderConfig, tp: int) -> list[_Linear]:
             F, experts = config.moe_intermediate_size, config.num_experts // tp
             linears += [
                 _Linear(None, D, config.num_experts),  # the router, replicated
-                _Linear("mlp", D, F, copies=experts),
-                _Linear("mlp", D, F, copies=experts),
-                _Linear("mlp", F, D, copies=experts),
+                _Linear("mlp", D, F, copies=experts, is_expert=True),
+                _Linear("mlp", D, F, copies=experts, is_expert=True),
+                _Linear("mlp", F, D, copies=experts, is_expert=True),
             ]
         else:
             F = math.ceil(config.intermediate_size / tp)  # the largest rank's part of an uneven split
@@ -238,6 +244,23 @@ def kv_bytes_per_token(config: DecoderConfig, tp: int, dtype_bytes: int) -> int:
     check_sharding(config, tp)
     heads = config.num_key_value_heads // tp
     return 2 * config.num_hidden_layers * heads * config.head_dim * dtype_bytes
+
+
+def _pool_dtype_bytes(linear: _Linear, dtype_bytes: int) -> int:
+    return max(dtype_bytes, _FP32) if linear.group == "unembed" else dtype_bytes
+
+
+def snapshot_pool_bytes(config: DecoderConfig, tp: int, dtype_bytes: int, entries: int, rank: int) -> int:
+    """The sampler's snapshot pools on one rank of `tp`: `entries` snapshots (and the zero entry) of rank
+    `rank` on every dense LoRA target (expert layers have none), A and B in a dtype of `dtype_bytes` (the
+    lm_head's in fp32 at least: its fp32 logits take their deltas in fp32), plus each entry's fp32 scale
+    per target."""
+    check_sharding(config, tp)
+    dense = [linear for linear in _linears(config, tp) if linear.group is not None and not linear.is_expert]
+    per_entry = sum(
+        _pool_dtype_bytes(linear, dtype_bytes) * linear.lora_parameters(rank) + _FP32 for linear in dense
+    )
+    return (entries + 1) * per_entry
 
 
 def plan_rank(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, NamedTuple, Protocol
 
@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from loraplex.model.fp32_linear import linear_fp32
 from loraplex.model.fp32_matmul import bmm_fp32
 from loraplex.model.host_copy import to_device
+from loraplex.model.lora_pool import LoRAPool, add_pooled_lora_delta_
 from loraplex.model.lora_precision import LoRADtypes, scaled_shrink
 from loraplex.model.tensor_parallel import SINGLE, WHOLE, LoRASharding, Split, TensorParallel, reduce_from_tp
 
@@ -52,9 +53,15 @@ class Segment(NamedTuple):
 
 @dataclass(frozen=True)
 class LoRARouting:
-    """Contiguous token segments covering [0, T) in order; built once per packed batch."""
+    """Contiguous token segments covering [0, T) in order; built once per packed batch.
+
+    `pool_index_T` (the decode step's): each token's entry in the layers' snapshot pools (lora_pool.py),
+    -1 for base only; layers that hold a pool route by it instead of the segments, in ops that do not
+    depend on how many adapters the batch holds. Layers without one (expert layers) use the segments.
+    """
 
     segments: tuple[Segment, ...]
+    pool_index_T: Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         end = 0
@@ -109,7 +116,8 @@ class LoRARouting:
                 Segment(s.slot, max(s.start, start) - start, min(s.end, end) - start)
                 for s in self.segments
                 if max(s.start, start) < min(s.end, end)
-            )
+            ),
+            None if self.pool_index_T is None else self.pool_index_T[start:end],
         )
 
 
@@ -352,6 +360,8 @@ class MultiLoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(rows, **factory), requires_grad=False) if bias else None
         # Plain dict, not registered: slot tensors are the slot pool's, not this module's state.
         self._slots: dict[int, SlotWeights] = {}
+        # The sampler's snapshots, stacked (lora_pool.py); set by the snapshot cache, not module state.
+        self.snapshot_pool: LoRAPool | None = None
 
     def attach(self, slot: int, A_RI: Tensor, B_OR: Tensor, scale: float) -> None:
         """Route `slot`'s segments through A (R, in) and B (out, R), held by reference (replacing any);
@@ -396,6 +406,14 @@ class MultiLoRALinear(nn.Module):
         has_split_bias = self.bias is not None and not self._is_partial
         return {"weight": self.split, **({"bias": self.split} if has_split_bias else {})}
 
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """The dtype this layer's outputs, and so its LoRA deltas (lora_precision.py), come in: W's, or at
+        least fp32 with `is_fp32_output`. A pool of snapshots for it holds their A and B in it."""
+        if self.is_fp32_output:
+            return torch.promote_types(self.weight.dtype, torch.float32)
+        return self.weight.dtype
+
     def forward(self, x_TI: Tensor, routing: LoRARouting | None = None) -> Tensor:
         """Base projection of every token once, plus each routed segment's slot delta."""
         project = linear_fp32 if self.is_fp32_output else nn.functional.linear
@@ -405,7 +423,10 @@ class MultiLoRALinear(nn.Module):
                 raise ValueError(
                     f"routing covers {routing.num_tokens} tokens but the input has {x_TI.shape[0]}"
                 )
-            y_TO = _add_lora_delta_(y_TO, x_TI, routing, self._slots)
+            if routing.pool_index_T is not None and self.snapshot_pool is not None:
+                y_TO = add_pooled_lora_delta_(y_TO, x_TI, routing.pool_index_T, self.snapshot_pool)
+            else:
+                y_TO = _add_lora_delta_(y_TO, x_TI, routing, self._slots)
         if not self._is_partial:
             return y_TO
         # One all-reduce sums the base's and every slot's partial products over the input columns.

@@ -105,6 +105,7 @@ class Sampler:
         max_context_length: int,
         max_batch: int,
         snapshot_capacity: int,
+        max_rank: int,
         chunk_size: int,
     ) -> None:
         self.decoder = decoder
@@ -114,7 +115,7 @@ class Sampler:
         self.chunk_size = chunk_size
         self._limits = SamplingLimits()  # none beyond the model's until the server sets its own
         self.cache = self._new_cache()
-        self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity)
+        self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity, max_rank)
         self._waiting: deque[tuple[str, SampleRequest]] = deque()
         self._jobs: dict[str, _Job] = {}  # admitted, in admission order
         self.prefill_tokens = 0  # prompt tokens prefilled since start, for telemetry
@@ -360,11 +361,17 @@ class Sampler:
 
     # --- decoding
     def _decode(self, active: list[tuple[_Job, _Sequence]]) -> None:
-        """Feed every active sequence's last token (one KV-cache decode step) and draw the next ones."""
+        """Feed every active sequence's last token (one KV-cache decode step) and draw the next ones.
+
+        Dense layers route each row by its snapshot's pool entry (the same ops for any mix of snapshots);
+        expert layers by the segments."""
         device = self.decoder.lm_head.weight.device
         sequences = [sequence for _, sequence in active]
         step = self.cache.decode([sequence.row for sequence in sequences])
-        routing = LoRARouting.from_sequences([1] * len(active), [job.snapshot_id for job, _ in active])
+        snapshot_ids = [job.snapshot_id for job, _ in active]
+        pool_index_B = np.array([self.snapshots.pool_index(i) for i in snapshot_ids], np.int64)
+        segments = LoRARouting.from_sequences([1] * len(active), snapshot_ids).segments
+        routing = LoRARouting(segments, to_device(pool_index_B, device))
         tokens_B = to_device(
             np.array([sequence.tokens[-1] for sequence in sequences], dtype=np.int64), device
         )

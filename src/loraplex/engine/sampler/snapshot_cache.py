@@ -1,12 +1,16 @@
 """Snapshots on the device: loaded from disk on first use, refcounted, LRU-evicted beyond a capacity.
 
-A resident snapshot is attached to the decoder's `MultiLoRALinear` layers like a training slot, under
-an id of its own range (SNAPSHOT_ID_BASE + i), so sampling routes tokens to snapshots with the same
-`LoRARouting` as training; under tensor parallelism each rank attaches its parts of the snapshot's
-tensors, as it does a slot's. A snapshot in use by an unfinished request is never evicted; an evicted one
-is read again from its directory when next asked for. Snapshots are immutable, so a resident copy is
-reused as long as the directory's weights file is unchanged. Engine code: no HTTP, no SQL; knows
-nothing of runs, tenants or requests.
+A resident snapshot is attached to the decoder's LoRA targets like a training slot, under an id of its
+own range (SNAPSHOT_ID_BASE + i), so prefill routes tokens to snapshots with the same `LoRARouting`
+segments as training; and it is written into entry i of every `MultiLoRALinear`'s snapshot pool
+(model/lora_pool.py, zero-padded to the pool's rank), by which the decode step routes each token
+(`pool_index`) in ops that do not grow with the number of snapshots. The pools are allocated once, at
+`capacity` entries of the server's largest LoRA rank: a fixed size and fixed addresses, so a captured
+decode step stays valid as snapshots come and go. Under tensor parallelism each rank attaches its parts
+of the snapshot's tensors, as it does a slot's. A snapshot in use by an unfinished request is never
+evicted; an evicted one is read again from its directory when next asked for. Snapshots are immutable,
+so a resident copy is reused as long as the directory's weights file is unchanged. Engine code: no HTTP,
+no SQL; knows nothing of runs, tenants or requests.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import torch
 
 from loraplex.engine.snapshots import WEIGHTS_FILE, load_snapshot
 from loraplex.errors import UserError
-from loraplex.model.multi_lora import MultiLoRALinear
+from loraplex.model.lora_pool import LoRAPool
+from loraplex.model.multi_lora import LoRATarget, MultiLoRALinear
 
 # Far above any training slot id, so snapshot and slot ids never meet on a layer.
 SNAPSHOT_ID_BASE = 1 << 20
@@ -32,14 +37,22 @@ class _Resident:
 
 
 class SnapshotCache:
-    """Up to `capacity` snapshots attached to `targets` (module path -> (layer, group)) at once."""
+    """Up to `capacity` snapshots of rank at most `max_rank` attached to `targets` (module path ->
+    (layer, group)) at once; gives each `MultiLoRALinear` target a snapshot pool of that size."""
 
-    def __init__(self, targets: dict[str, tuple[MultiLoRALinear, str]], capacity: int) -> None:
+    def __init__(self, targets: dict[str, tuple[LoRATarget, str]], capacity: int, max_rank: int) -> None:
         if capacity < 1:
             raise ValueError(f"snapshot capacity must be at least 1, got {capacity}")
         self._targets = targets
         self._capacity = capacity
+        self.max_rank = max_rank
         self._device = next(iter(targets.values()))[0].weight.device
+        self._pools: dict[str, LoRAPool] = {}
+        for path, (layer, _) in targets.items():
+            if isinstance(layer, MultiLoRALinear):
+                (_, columns), (rows, _) = layer.lora_shapes(max_rank)
+                pool = LoRAPool(capacity, max_rank, columns, rows, self._device, layer.output_dtype)
+                layer.snapshot_pool = self._pools[path] = pool
         # Least recently acquired first; keyed by (resolved directory, weights file mtime_ns and size).
         self._resident: OrderedDict[tuple[str, int, int], _Resident] = OrderedDict()
         self.loads = 0  # reads from disk so far
@@ -74,6 +87,16 @@ class SnapshotCache:
         for resident in self._resident.values():
             resident.users = 0
 
+    @staticmethod
+    def pool_index(snapshot_id: int | None) -> int:
+        """The pools' entry of an attached snapshot; -1 (the zero entry) for the base model alone."""
+        return -1 if snapshot_id is None else snapshot_id - SNAPSHOT_ID_BASE
+
+    @property
+    def pool_bytes(self) -> int:
+        """What the snapshot pools hold on this rank's device."""
+        return sum(pool.nbytes for pool in self._pools.values())
+
     @property
     def resident_ids(self) -> list[int]:
         """Ids attached now, least recently acquired first."""
@@ -97,6 +120,10 @@ class SnapshotCache:
         unknown = sorted(set(snapshot.pairs) - set(self._targets))
         if unknown:
             raise UserError(f"{where} adapts modules this model lacks: {unknown}")
+        if snapshot.rank > self.max_rank:
+            raise UserError(
+                f"{where} has rank {snapshot.rank}; this server samples ranks up to {self.max_rank}"
+            )
         for path, (A_RI, B_OR) in snapshot.pairs.items():
             layer = self._targets[path][0]
             if A_RI.shape[1] != layer.in_features or B_OR.shape[0] != layer.out_features:
@@ -104,11 +131,16 @@ class SnapshotCache:
                     f"{where}: {path} has lora_A {tuple(A_RI.shape)} and lora_B {tuple(B_OR.shape)}; this "
                     f"model's layer needs (r, {layer.in_features}) and ({layer.out_features}, r)"
                 )
+        entry = self.pool_index(snapshot_id)
+        for pool in self._pools.values():  # targets the snapshot leaves alone add 0
+            pool.clear(entry)
         for path, (A_RI, B_OR) in snapshot.pairs.items():
             layer = self._targets[path][0]
             parts = layer.lora_sharding(snapshot.rank).of(A_RI, B_OR)  # the tensors themselves with one rank
             A_RI, B_OR = (t.to(self._device, torch.float32) for t in parts)
             layer.attach(snapshot_id, A_RI, B_OR, snapshot.scale)
+            if path in self._pools:
+                self._pools[path].load(entry, A_RI, B_OR, snapshot.scale)
 
     def _detach(self, snapshot_id: int) -> None:
         for layer, _ in self._targets.values():
