@@ -8,12 +8,10 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraplex.engine.local import LocalEngine, build_local_engine
 from loraplex.engine.types import LoraConfig, SampleRequest, SampleResult, SamplingParams
@@ -21,6 +19,7 @@ from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.multi_lora import MultiLoRALinear
 from tests.engine.conftest import randomize_lora_b
 from tests.engine.test_sampler import sample_all
+from tests.model.host_syncs import host_syncs
 
 NUM_SNAPSHOTS = 16
 PROMPT = np.array([5, 17, 99, 42], dtype=np.int64)
@@ -51,18 +50,6 @@ def snapshots(engine: LocalEngine, tmp_path_factory: pytest.TempPathFactory) -> 
     return paths
 
 
-class _AtenOps(TorchDispatchMode):
-    """Counts every aten op dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @contextmanager
 def segmented(engine: LocalEngine) -> Iterator[None]:
     """Take the pools off the layers: the decode step then routes by segments, as before the pool."""
@@ -82,11 +69,11 @@ def decode_step_ops(engine: LocalEngine, snapshots: list[Path]) -> Counter[str]:
     for i, snapshot in enumerate(snapshots):
         engine.add_sample(f"r{i}", SampleRequest(PROMPT, GREEDY, snapshot=snapshot))
     engine.step_sampler()  # admission, prefill and the first decode step
-    with _AtenOps() as ops:
+    with host_syncs() as found:
         assert engine.step_sampler() == []
     while engine.has_sampling_work():
         engine.step_sampler()
-    return ops.counts
+    return Counter(map(str, found.recorded_ops))
 
 
 def test_a_decode_step_runs_the_same_aten_ops_for_one_and_for_sixteen_snapshots(engine, snapshots) -> None:
