@@ -25,5 +25,9 @@ def use_deterministic_kernels() -> None:
     """Make torch use deterministic kernels from here on, in this process (idempotent)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
     torch.use_deterministic_algorithms(True)
+    # Which also makes every torch.empty write NaN into its buffer: a debugging aid that touches every
+    # page of the KV and snapshot pools (seconds and gigabytes at start of sampling), reading nothing we
+    # compute, since no kernel of ours reads a slot before writing it (tests/model/test_kv_cache.py).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
