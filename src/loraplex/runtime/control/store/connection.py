@@ -9,6 +9,7 @@ and report its duration. No tensors, no HTTP.
 from __future__ import annotations
 
 import functools
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,22 +25,41 @@ from loraplex.runtime.control.store import migrations
 from loraplex.runtime.control.store.outage import Reachability
 from loraplex.runtime.control.store.schema import Base
 
+# How long a SQLite connection waits for another's write lock before "database is locked".
+_SQLITE_LOCK_WAIT_S = 30.0
+
 
 def connect(url: str) -> SqlEngine:
     if not url.startswith("sqlite"):
         return create_engine(url, pool_pre_ping=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": _SQLITE_LOCK_WAIT_S})
 
     @event.listens_for(engine, "connect")
     def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         # WAL lets the API read while the engine worker writes results; NORMAL sync is durable
         # across a process kill (only an OS crash may lose the last transactions).
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
     return engine
+
+
+def _enter_wal(cursor: Any, wait_s: float = _SQLITE_LOCK_WAIT_S) -> None:
+    """Put the database file in WAL mode (it stays so: later connections find it there). Switching a new
+    file's journal mode needs it to itself, and SQLite answers "database is locked" at once, without its
+    busy wait, while another connection is opening it too (several processes or Stores starting on one new
+    file): tried again until the lock wait a write would get has passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 class StoreBase:
