@@ -70,11 +70,15 @@ def flex_varlen_stand_in(calls: list[dict]):
     """torch's `varlen_attn` contract computed by flex_attention with a document mask (the CPU has no
     varlen kernel): documents from cu_seq_q, key j visible to query i when i - left <= j <= i + right for
     window_size (left, right), -1 unbounded, as flash reads it; records each call's scalar arguments in
-    `calls`. Forward only: flex has no CPU backward."""
+    `calls`. Forward only: flex has no CPU backward. Without `enable_gqa` in the call (torch before the
+    keyword) the heads must match, as that torch's kernel needs."""
 
-    def varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size, enable_gqa, **rest):
+    def varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size, **rest):
+        enable_gqa = rest.pop("enable_gqa", None)
         assert not rest and cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
+        assert enable_gqa is not None or q.shape[1] == k.shape[1] == v.shape[1]
         calls.append({"max_q": max_q, "max_k": max_k, "window_size": window_size, "enable_gqa": enable_gqa})
+        enable_gqa = bool(enable_gqa)
         document_T = torch.searchsorted(cu_seq_q, torch.arange(q.shape[0], dtype=torch.int32), right=True)
         left, right = window_size
 
@@ -95,17 +99,22 @@ def flex_varlen_stand_in(calls: list[dict]):
     return varlen_attn
 
 
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "older_torch"])
 @pytest.mark.parametrize("lengths", PACKS)
 def test_the_varlen_call_is_one_call_over_the_packs_cu_seqlens(
-    lengths: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+    lengths: tuple[int, ...], takes_gqa: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One call over the pack; where torch's varlen_attn has no `enable_gqa` (2.11) the kv heads come
+    repeated to the query heads and give the same result."""
     calls: list[dict] = []
     monkeypatch.setattr(attention, "varlen_attn", flex_varlen_stand_in(calls))
+    monkeypatch.setattr(attention, "_VARLEN_TAKES_GQA", takes_gqa)
     q, k, v = (x.detach() for x in _inputs(lengths, seed=len(lengths))[:3])
     packing = PackedSequences.from_lengths(lengths)
     got = varlen_attention(q, k, v, packing)
     longest = max(lengths)
-    assert calls == [{"max_q": longest, "max_k": longest, "window_size": (-1, 0), "enable_gqa": True}]
+    gqa = True if takes_gqa else None
+    assert calls == [{"max_q": longest, "max_k": longest, "window_size": (-1, 0), "enable_gqa": gqa}]
     want = per_length_attention(q, k, v, packing)
     exact = causal_reference(q.double(), k.double(), v.double(), lengths)
     assert_within_rounding(got, want, exact, f"varlen stand-in against per-length SDPA, {lengths}")

@@ -12,6 +12,7 @@ P blocks of the paged cache's pool, S tokens a block.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -25,6 +26,10 @@ except ImportError:
 
 from loraplex.model.config import DecoderConfig
 from loraplex.model.packing import PackedSequences
+
+# GQA inside the kernel came with the pinned torch's `enable_gqa`; an older one (torch 2.11, as an H200
+# machine had it) refuses the keyword, and there the keys and values are repeated to the query heads.
+_VARLEN_TAKES_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _default_inv_freq(config: DecoderConfig) -> Tensor:
@@ -110,9 +115,15 @@ def has_varlen_kernel(q_TNH: Tensor) -> bool:
 
 def varlen_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: PackedSequences) -> Tensor:
     """The whole pack in one varlen call: causal (window (-1, 0)) within the sequences `cu_seqlens_Q1`
-    bounds, GQA in the kernel (no repeated keys); differentiable. The longest length is a host int the
-    packing already holds, so the call needs no sync."""
+    bounds, GQA in the kernel (no repeated keys) where torch's kernel takes it; differentiable. The longest
+    length is a host int the packing already holds, so the call needs no sync."""
     longest = max(packing.lengths)
+    group = q_TNH.shape[1] // k_TKH.shape[1]
+    gqa: dict[str, bool] = {}
+    if _VARLEN_TAKES_GQA:
+        gqa["enable_gqa"] = group > 1
+    elif group > 1:
+        k_TKH, v_TKH = k_TKH.repeat_interleave(group, dim=1), v_TKH.repeat_interleave(group, dim=1)
     return varlen_attn(
         q_TNH,
         k_TKH,
@@ -122,7 +133,7 @@ def varlen_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: Packe
         longest,
         longest,
         window_size=(-1, 0),
-        enable_gqa=q_TNH.shape[1] != k_TKH.shape[1],
+        **gqa,
     )
 
 
