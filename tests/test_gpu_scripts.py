@@ -48,7 +48,8 @@ def test_the_gpu_scripts_dry_run_on_the_cpu_with_two_engine_ranks(
 
 def test_gpu_check_dry_runs_every_stage_on_the_cpu_and_prints_the_figures(tmp_path: Path) -> None:
     """bench/gpu_check.sh's documented dry run: the gpu tests are collected (and skipped, no CUDA here),
-    both benchmarks run on the smoke shape, each stage's output is kept under the scratch directory given."""
+    both benchmarks run on the smoke shape, each stage's output is kept under the scratch directory given;
+    with the packages the GPU machine lacks made unimportable (tests/device_image/sitecustomize.py)."""
     scratch = tmp_path / "scratch"
     env = {
         **os.environ,
@@ -63,6 +64,7 @@ def test_gpu_check_dry_runs_every_stage_on_the_cpu_and_prints_the_figures(tmp_pa
         "NEW_TOKENS": "4",
         "PYTHON": sys.executable,
         "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT / "tests" / "device_image"),
     }
     done = subprocess.run(
         [str(ROOT / "bench" / "gpu_check.sh"), str(scratch)],

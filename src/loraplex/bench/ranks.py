@@ -14,8 +14,6 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli import sampling_limits
-from loraplex.config import ServerConfig
 from loraplex.engine.distributed.coordinator import DistributedEngine, start_coordinator
 from loraplex.engine.distributed.group import RankEnv, RankTimeouts
 from loraplex.engine.distributed.launch import LocalRanks
@@ -40,15 +38,10 @@ def build_bench_engine(
     model_dir: Path, device: str, max_slots: int, max_rank: int, tp: TensorParallel = SINGLE
 ) -> LocalEngine:
     """The engine `loraplex serve` would build over `model_dir` (build_local_engine), this rank's part of
-    it under `tp`, with serve's default sampling limits: without a KV budget the sampler's pool would be
-    sized for every row at the whole context (5.2 M tokens, 773 GB, for the 4B shape)."""
-    engine = build_local_engine(
+    it under `tp`."""
+    return build_local_engine(
         str(model_dir), model_dir.parent, device, max_slots, max_rank, MODEL_NAME, None, tp
     )
-    defaults = ServerConfig()
-    engine.sampler.limits = sampling_limits(defaults)
-    engine.sampler.max_batch = defaults.max_sampling_batch
-    return engine
 
 
 @contextmanager
