@@ -224,6 +224,12 @@ class ServerConfig(BaseModel):
         description="How far ahead of a run's next expected seq_id a request may be; further ones are "
         "refused.",
     )
+    max_queued_bytes_per_run: int = Field(
+        2**30,
+        ge=1,
+        description="Bytes of requests one run may hold not yet executed (their decoded datums); past it a "
+        "request answers 429 and the SDK resends later. The run's next expected request is always taken.",
+    )
     max_prefill_tokens: int = Field(
         8192,
         ge=1,

@@ -115,7 +115,8 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     app.add_exception_handler(LoraplexError, _loraplex_error)
     app.add_exception_handler(RequestValidationError, _invalid_body)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(BodyLimit, limits=RequestLimits.from_config(runtime.config))
+    limits = RequestLimits.from_config(runtime.config)
+    app.add_middleware(BodyLimit, limits=limits, release_memory=runtime.release_freed_memory)
     # Added last, so outermost: its log line and metrics see BodyLimit's refusals too.
     state.metrics = Metrics(runtime.telemetry)
     app.add_middleware(RequestObserver, metrics=state.metrics)

@@ -9,11 +9,12 @@ over. No tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import anyio.to_thread
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
@@ -137,13 +138,20 @@ class BodyTooLargeError(HTTPException):
         super().__init__(status_code=413, detail=detail, headers={"x-should-retry": "false"})
 
 
+# A refused body at least this large has its freed memory handed back to the system (BodyLimit).
+RELEASE_AFTER_REFUSED_BYTES = 2**20
+
+
 class BodyLimit:
     """ASGI middleware: puts `limits` in force for each request and refuses a body over its route's limit,
-    at once when Content-Length says so, else as soon as the bytes received pass it."""
+    at once when Content-Length says so, else as soon as the bytes received pass it. After a request of a
+    large body that was refused (any answer of 400 or more), `release_memory` runs on a worker thread: the
+    memory its body and decoded arrays took would otherwise stay with the process."""
 
-    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+    def __init__(self, app: ASGIApp, limits: RequestLimits, release_memory: Callable[[], object]) -> None:
         self.app = app
         self.limits = limits
+        self.release_memory = release_memory
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -151,7 +159,7 @@ class BodyLimit:
             return
         limit, why = self.limits.body_limit(scope["path"])
         refusal = BodyTooLargeError(scope["path"], limit, why)
-        received, is_started = 0, False
+        received, is_started, status = 0, False, 0
 
         async def bounded_receive() -> Message:
             nonlocal received
@@ -163,8 +171,9 @@ class BodyLimit:
             return message
 
         async def watched_send(message: Message) -> None:
-            nonlocal is_started
-            is_started = is_started or message["type"] == "http.response.start"
+            nonlocal is_started, status
+            if message["type"] == "http.response.start":
+                is_started, status = True, message["status"]
             await send(message)
 
         with limits_in_force(self.limits):
@@ -177,6 +186,9 @@ class BodyLimit:
                     raise
                 body = {"detail": error.detail}
                 await JSONResponse(body, error.status_code, error.headers)(scope, receive, send)
+                status = error.status_code
+        if status >= 400 and received >= RELEASE_AFTER_REFUSED_BYTES:
+            await anyio.to_thread.run_sync(self.release_memory)
 
 
 def _content_length(scope: Scope) -> int:

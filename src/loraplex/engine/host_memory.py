@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -41,3 +43,30 @@ def keep_freed_host_memory() -> bool:
     if not applied:
         log.warning("mallopt refused a setting; host memory keeps glibc's defaults for the rest")
     return applied
+
+
+_releasing = threading.Lock()
+
+
+def release_freed_memory() -> bool:
+    """Hand the free pages of malloc's heap back to the system (glibc's malloc_trim), so that memory freed
+    by requests that were refused does not stay counted to the process: with the thresholds above it
+    would, up to the trim threshold. Not for every step (the engine re-faults what it re-allocates, the
+    cost the tuning avoids); for the rare large request that was turned away. False where the C library
+    is not glibc, or another release is under way (it returns the same pages)."""
+    trim = _malloc_trim()
+    if trim is None or not _releasing.acquire(blocking=False):
+        return False
+    try:
+        trim(0)
+    finally:
+        _releasing.release()
+    return True
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None

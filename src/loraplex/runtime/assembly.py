@@ -13,6 +13,7 @@ import dataclasses
 from typing import cast
 
 from loraplex.config import ServerConfig
+from loraplex.engine.host_memory import release_freed_memory
 from loraplex.engine.interface import Engine, EngineInfo
 from loraplex.runtime.control.aliases import AliasTable, import_alias_file
 from loraplex.runtime.control.catalog import Catalog
@@ -93,7 +94,7 @@ class Runtime:
             AliasTable(store),
             TextCodec.load(engine.info.tokenizer_dir),
         )
-        recover(store, self.layout, self.state, config.max_seq_ids_ahead)
+        recover(store, self.layout, self.state, config.max_seq_ids_ahead, config.max_queued_bytes_per_run)
         self.database_watch = DatabaseWatch(store.reachability, store.ping)
         self.housekeeping = Housekeeping(
             Retention(store, self.layout, RetentionPolicy.of(config)),
@@ -159,6 +160,11 @@ class Runtime:
         self.writer.close()
         self.database_watch.close()
         self.store.close()
+
+    @staticmethod
+    def release_freed_memory() -> None:
+        """Hand the memory a refused large request took back to the system (engine/host_memory.py)."""
+        release_freed_memory()
 
     def _occupancy(self) -> Occupancy:
         occupancy = self.state.occupancy(self.engine.max_slots)

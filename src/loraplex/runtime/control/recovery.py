@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 RESTART_ERROR = "the server restarted before this request finished; submit it again"
 
 
-def recover(store: Store, layout: DiskLayout, state: SharedState, max_seq_ids_ahead: int) -> None:
+def recover(
+    store: Store, layout: DiskLayout, state: SharedState, max_seq_ids_ahead: int, max_queued_bytes: int
+) -> None:
     """Fail in-flight futures, bring back every run (parked or lost) into `state`, tidy the data dir."""
     failed = store.fail_pending_futures(RESTART_ERROR)
     last_seq = store.last_seq_ids()
@@ -38,7 +40,7 @@ def recover(store: Store, layout: DiskLayout, state: SharedState, max_seq_ids_ah
             row.tenant,
             row.session_id,
             row.base_model,
-            RunQueue(last_seq.get(row.id, 0) + 1, max_seq_ids_ahead),
+            RunQueue(last_seq.get(row.id, 0) + 1, max_seq_ids_ahead, max_queued_bytes),
             lora_config=LoraConfig(**row.lora_config),
             status=status,
             user_metadata=row.user_metadata or {},

@@ -38,7 +38,7 @@ from loraplex.runtime.core.commands import (
 )
 from loraplex.runtime.core.executor import lost_run_error
 from loraplex.runtime.core.journal import Journal, Record
-from loraplex.runtime.core.run_queue import LOST, Entry, RunQueue, RunState
+from loraplex.runtime.core.run_queue import LOST, Entry, RunQueue, RunQueueFullError, RunState
 from loraplex.runtime.core.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class TrainingService:
             tenant,
             session_id,
             self._base_model_of(command),
-            RunQueue(0, self.config.max_seq_ids_ahead),
+            RunQueue(0, self.config.max_seq_ids_ahead, self.config.max_queued_bytes_per_run),
             user_metadata=getattr(command, "user_metadata", {}),
         )
         with self.state.cond:  # the run and its seq 0 are claimed together, so a racing copy finds both
@@ -162,8 +162,9 @@ class TrainingService:
             if not executed:
                 record = self.futures.new(run.tenant, submission.request_type)
                 try:
-                    run.queue.reserve(seq_id, record.id)
-                except UserError:
+                    nbytes = command.nbytes if isinstance(command, ForwardBackward) and not rejection else 0
+                    run.queue.reserve(seq_id, record.id, nbytes)
+                except (UserError, RunQueueFullError):
                     self.futures.drop(record.id)
                     raise
         if executed:

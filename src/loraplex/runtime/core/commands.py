@@ -71,6 +71,11 @@ class ForwardBackward:
         """Input tokens over all datums: what the scheduler's token budget counts."""
         return sum(len(d.tokens) for d in self.datums)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its datums' arrays hold while it waits: what --max-queued-bytes-per-run counts."""
+        return sum(d.tokens.nbytes + sum(a.nbytes for a in d.loss_fn_inputs.values()) for d in self.datums)
+
 
 @dataclass(frozen=True)
 class OptimStep:
