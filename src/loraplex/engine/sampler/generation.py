@@ -371,32 +371,37 @@ class Sampler:
         """Feed every active sequence's last token (one KV-cache decode step, padded to its bucket) and draw
         the next ones."""
         sequences = [sequence for _, sequence in active]
-        tokens_B, step, routing = self._bucketed_step(active)
+        tokens_B, step, routing = self._bucketed_step(
+            [sequence.row for sequence in sequences],
+            [sequence.tokens[-1] for sequence in sequences],
+            [job.snapshot_id for job, _ in active],
+        )
         if self.graphs is None:
             logits_BV = self._eager_step_logits(tokens_B, step, routing)
         else:
             logits_BV = self.graphs.logits(tokens_B, step, routing)
         self._draw(logits_BV[: len(sequences)], sequences)
 
-    def _bucketed_step(self, active: list[tuple[_Job, _Sequence]]) -> tuple[Tensor, DecodeStep, LoRARouting]:
-        """The decode step's tokens, cache step and routing, padded to its bucket's rows and span
-        (decode_buckets.py): padding rows feed token 0 at position 0 with the pools' zero entry (index -1),
-        in the cache's scratch block, so they add nothing to any live row.
+    def _bucketed_step(
+        self, rows: list[int], tokens: list[int], snapshot_ids: list[int | None]
+    ) -> tuple[Tensor, DecodeStep, LoRARouting]:
+        """A decode step feeding `tokens` to cache `rows` of `snapshot_ids`: its tokens, cache step and
+        routing, padded to its bucket's rows and span (decode_buckets.py). Padding rows feed token 0 at
+        position 0 with the pools' zero entry (index -1), in the cache's scratch block, so they add
+        nothing to any live row.
 
         Dense layers route each row by its snapshot's pool entry (the same ops for any mix of snapshots);
         expert layers by the segments, the padding rows base-only."""
         device = self.decoder.lm_head.weight.device
-        rows = [sequence.row for _, sequence in active]
         num_rows = batch_bucket(len(rows), self.max_batch)
         span = span_bucket(max(self.cache.length(row) for row in rows) + 1, self.max_context_length)
         step = self.cache.decode(rows, num_rows, span)
         num_padding = num_rows - len(rows)
-        snapshot_ids = [job.snapshot_id for job, _ in active] + [None] * num_padding
+        snapshot_ids = snapshot_ids + [None] * num_padding
         pool_index_B = np.array([self.snapshots.pool_index(i) for i in snapshot_ids], np.int64)
         segments = LoRARouting.from_sequences([1] * num_rows, snapshot_ids).segments
-        tokens_B = np.array([sequence.tokens[-1] for _, sequence in active] + [0] * num_padding, np.int64)
-        routing = LoRARouting(segments, to_device(pool_index_B, device))
-        return to_device(tokens_B, device), step, routing
+        tokens_B = to_device(np.array(tokens + [0] * num_padding, np.int64), device)
+        return tokens_B, step, LoRARouting(segments, to_device(pool_index_B, device))
 
     def _eager_step_logits(self, tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> Tensor:
         """(B, V) fp32 logits of a decode step's forward, run op by op (what a CUDA graph captures)."""
