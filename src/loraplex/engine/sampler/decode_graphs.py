@@ -12,11 +12,13 @@ lora_pool.py, so snapshots come and go under a captured step) and the KV cache's
 dropped while the sampler is idle and may come back elsewhere, so every step compares their addresses
 with those the graphs were captured against and drops every graph when they differ.
 
-Capture follows torch's recipe: warm up on a side stream (lazy initialisations, cuBLAS workspaces, the
-compiled elementwise functions, happen outside the capture), then capture into one memory pool shared by
-every graph (replays run one at a time on one stream, so the intermediates of one graph may reuse those
-of another). Only dense models on one rank: an MoE layer routes LoRA by the step's host-side segments,
-which a replay would not see, and tensor parallelism would put collectives into the graph.
+Capture follows torch's recipe: warm up on a side stream (lazy initialisations, cuBLAS's per-stream
+workspace, the compiled elementwise functions' compiles, happen outside the capture), then capture on that
+same stream into one memory pool shared by every graph (replays run one at a time on one stream and keep
+nothing in the pool alive between them, the logits going to buffers of their own, so the intermediates of
+one graph may reuse those of another). Only dense models on one rank: an MoE layer routes LoRA by the
+step's host-side segments, which a replay would not see, and tensor parallelism would put collectives into
+the graph.
 
 Memory: each graph keeps its static inputs (about 9·B·L bytes: the (B, L) slots and mask), and the graphs
 of one row count B write their logits into one (B, V) fp32 buffer (an extra copy of B·V floats a step,
@@ -109,6 +111,7 @@ class DecodeGraphs:
         self._graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()  # least recently used first
         self._logits: dict[int, Tensor] = {}  # B -> the (B, V) logits every graph of B rows writes
         self._pool: tuple[int, int] | None = None  # the graphs' shared memory pool (graph_pool_handle)
+        self._stream: torch.cuda.Stream | None = None  # where every graph warms up and is captured
         self._kv_addresses: tuple[int, ...] = ()  # the KV pools' the graphs were captured against
 
     def __len__(self) -> int:
@@ -156,20 +159,20 @@ class DecodeGraphs:
         )
         static_routing = replace(routing, pool_index_T=routing.pool_index_T.clone())
         device = tokens_B.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        if self._stream is None or self._pool is None:
+            self._stream, self._pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self._stream):
             for _ in range(_WARMUP_RUNS):
                 warm_logits_BV = self._step_logits(static_tokens_B, static_step, static_routing)
-        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.current_stream(device).wait_stream(self._stream)
         logits_BV = self._logits.get(len(tokens_B))
         if logits_BV is None:
             logits_BV = self._logits[len(tokens_B)] = torch.empty_like(warm_logits_BV)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's CUDA calls (a metrics read) do not break this capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        capture = torch.cuda.graph(graph, self._pool, self._stream, capture_error_mode="thread_local")
+        with capture:
             logits_BV.copy_(self._step_logits(static_tokens_B, static_step, static_routing))
         return _Graph(graph, static_tokens_B, static_step, static_routing, logits_BV)
 
