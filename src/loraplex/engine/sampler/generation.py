@@ -138,7 +138,7 @@ class Sampler:
         if self.cache.num_live_rows:
             raise RuntimeError("sampling limits change only while no request holds a cache row")
         self._limits = limits
-        self.cache = self._new_cache()
+        self._replace_cache()
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -209,8 +209,15 @@ class Sampler:
         """Forget every request, cache row and snapshot use, whatever state a failed step left."""
         self._jobs.clear()
         self._waiting.clear()
-        self.cache = self._new_cache()
+        self._replace_cache()
         self.snapshots.release_all()
+
+    def _replace_cache(self) -> None:
+        """A new, empty KV cache; the graphs go with the old one, whose pools they read (and hold, through
+        their steps, until dropped)."""
+        self.cache = self._new_cache()
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def _new_cache(self) -> KVCache:
         weight = self.decoder.lm_head.weight
