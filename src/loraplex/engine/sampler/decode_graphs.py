@@ -78,27 +78,16 @@ def use_cuda_graphs(setting: str, decoder: Decoder) -> bool:
 
 @dataclass
 class _Graph:
-    """One bucket's captured step, the static tensors it reads, and the logits it writes (shared with
-    the other graphs of B rows)."""
+    """One bucket's captured step, the static inputs it reads (`_inputs` order), and the logits it writes
+    (shared with the other graphs of B rows)."""
 
     graph: torch.cuda.CUDAGraph
-    tokens_B: Tensor
-    step: DecodeStep
-    routing: LoRARouting
+    inputs: tuple[Tensor, ...]
     logits_BV: Tensor
 
     def load(self, tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> None:
         """Copy a step's inputs into the static ones, on the device (no host sync)."""
-        assert routing.pool_index_T is not None and self.routing.pool_index_T is not None  # decode steps'
-        pairs = (
-            (self.tokens_B, tokens_B),
-            (self.step.slots_B, step.slots_B),
-            (self.step.positions_T, step.positions_T),
-            (self.step.slots_BL, step.slots_BL),
-            (self.step.is_visible_BL, step.is_visible_BL),
-            (self.routing.pool_index_T, routing.pool_index_T),
-        )
-        for static, value in pairs:
+        for static, value in zip(self.inputs, _inputs(tokens_B, step, routing), strict=True):
             static.copy_(value, non_blocking=True)
 
 
@@ -112,7 +101,7 @@ class DecodeGraphs:
         self._logits: dict[int, Tensor] = {}  # B -> the (B, V) logits every graph of B rows writes
         self._pool: tuple[int, int] | None = None  # the graphs' shared memory pool (graph_pool_handle)
         self._stream: torch.cuda.Stream | None = None  # where every graph warms up and is captured
-        self._kv_addresses: tuple[int, ...] = ()  # the KV pools' the graphs were captured against
+        self._kv_addresses: tuple[int, ...] = ()  # where the KV pools were when the graphs were captured
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -148,23 +137,15 @@ class DecodeGraphs:
 
         The warm-up runs are the step itself, so the keys and values they write are those the replay
         writes again."""
-        assert routing.pool_index_T is not None  # a decode step routes by the snapshot pools
-        static_tokens_B = tokens_B.clone()
-        static_step = replace(
-            step,
-            slots_B=step.slots_B.clone(),
-            positions_T=step.positions_T.clone(),
-            slots_BL=step.slots_BL.clone(),
-            is_visible_BL=step.is_visible_BL.clone(),
-        )
-        static_routing = replace(routing, pool_index_T=routing.pool_index_T.clone())
+        inputs = tuple(value.clone() for value in _inputs(tokens_B, step, routing))
+        static = _with_inputs(inputs, step, routing)
         device = tokens_B.device
         if self._stream is None or self._pool is None:
             self._stream, self._pool = torch.cuda.Stream(device), torch.cuda.graph_pool_handle()
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
             for _ in range(_WARMUP_RUNS):
-                warm_logits_BV = self._step_logits(static_tokens_B, static_step, static_routing)
+                warm_logits_BV = self._step_logits(*static)
         torch.cuda.current_stream(device).wait_stream(self._stream)
         logits_BV = self._logits.get(len(tokens_B))
         if logits_BV is None:
@@ -173,10 +154,27 @@ class DecodeGraphs:
         # thread_local: another thread's CUDA calls (a metrics read) do not break this capture.
         capture = torch.cuda.graph(graph, self._pool, self._stream, capture_error_mode="thread_local")
         with capture:
-            logits_BV.copy_(self._step_logits(static_tokens_B, static_step, static_routing))
-        return _Graph(graph, static_tokens_B, static_step, static_routing, logits_BV)
+            logits_BV.copy_(self._step_logits(*static))
+        return _Graph(graph, inputs, logits_BV)
 
 
 def _addresses(cache: KVCache) -> tuple[int, ...]:
     """Where the cache's key and value pools are now, and their block count: what a graph reads."""
     return (cache.num_blocks, *(pool.data_ptr() for pool in (*cache.keys, *cache.values)))
+
+
+def _inputs(tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> tuple[Tensor, ...]:
+    """What a decode step's forward reads besides the weights and the pools, in one order."""
+    assert routing.pool_index_T is not None  # a decode step routes by the snapshot pools
+    return tokens_B, step.slots_B, step.positions_T, step.slots_BL, step.is_visible_BL, routing.pool_index_T
+
+
+def _with_inputs(
+    inputs: tuple[Tensor, ...], step: DecodeStep, routing: LoRARouting
+) -> tuple[Tensor, DecodeStep, LoRARouting]:
+    """`step_logits`' arguments reading `inputs` (`_inputs` order) instead of the step's own."""
+    tokens_B, slots_B, positions_T, slots_BL, is_visible_BL, pool_index_T = inputs
+    static_step = replace(
+        step, slots_B=slots_B, positions_T=positions_T, slots_BL=slots_BL, is_visible_BL=is_visible_BL
+    )
+    return tokens_B, static_step, replace(routing, pool_index_T=pool_index_T)
