@@ -167,6 +167,7 @@ def _engine_builder(config: ServerConfig) -> EngineBuilder:
             tp,
             config.compile,
             config.max_sampling_snapshots,
+            config.cuda_graphs,
         )
         engine.sampler.limits = sampling_limits(config)
         engine.sampler.max_batch = config.max_sampling_batch
@@ -297,6 +298,7 @@ _ENGINE_OPTIONS = (
     "model_name",
     "device",
     "compile",
+    "cuda_graphs",
     "max_slots",
     "max_rank",
     "data_dir",

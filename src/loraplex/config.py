@@ -30,6 +30,12 @@ class ServerConfig(BaseModel):
         "torch.compile; auto = on on CUDA. The first passes after start-up pay the compile (tens of "
         "seconds; cached across restarts in the inductor cache).",
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Replay each sampling decode step's forward as one CUDA graph per batch/span bucket; "
+        "auto = on on CUDA for a dense model on one rank (on elsewhere is an error). Each bucket is "
+        "captured at its first step; docs/OPERATIONS.md says what the graphs hold.",
+    )
     max_slots: int = Field(
         8,
         ge=1,

@@ -9,7 +9,7 @@ from transformers import Qwen3Config
 from loraplex.model.attention import decode_attention
 from loraplex.model.decoder import Decoder
 from loraplex.model.hf_checkpoint import load_decoder
-from loraplex.model.kv_cache import KVCache
+from loraplex.model.kv_cache import DecodeStep, KVCache
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.packing import PackedSequences
 from tests.model.rounding import assert_within_rounding
@@ -105,7 +105,7 @@ def test_a_copied_prefix_decodes_like_its_source_and_growth_keeps_the_pool(
     for row in copies:
         cache.copy_prefix(source, row)
     cache.allocate(300)  # a long row, while rows hold tokens
-    assert cache.keys[0] is pool and cache.stored_bytes == 64 * cache.block_bytes  # 1024 / 16 blocks
+    assert cache.keys[0] is pool and cache.stored_bytes == 65 * cache.block_bytes  # 1024 / 16, and scratch
 
     rows = [copies[-1], source, copies[0]]
     for position in range(5, 8):
@@ -150,6 +150,88 @@ def test_rows_grow_a_block_at_a_time_independently_and_a_freed_rows_blocks_serve
             decoder.forward_cached(sequence[position : position + 1], cache.decode([row]), routing), routing
         )
         assert_within_rounding(logits[0], expected[position], exact[position], f"reused blocks at {position}")
+
+
+def _prefilled(
+    decoder: Decoder, sequences: list[torch.Tensor], block_tokens: int = 4
+) -> tuple[KVCache, list[int]]:
+    """A cache of 16 blocks (the scratch block after them) holding every sequence but its last token,
+    routed to SLOT."""
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=64, block_tokens=block_tokens)
+    rows = [cache.allocate(len(sequence)) for sequence in sequences]
+    lengths = [len(sequence) - 1 for sequence in sequences]
+    routing = LoRARouting.from_sequences(lengths, [SLOT] * len(lengths))
+    decoder.forward_cached(torch.cat([s[:-1] for s in sequences]), cache.prefill(rows, lengths), routing)
+    return cache, rows
+
+
+def _step_logits(decoder: Decoder, tokens: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+    """A decode step's logits with every row routed to SLOT (padding rows too: their logits are
+    discarded; the sampler routes them to the snapshot pools' zero entry)."""
+    routing = LoRARouting.from_sequences([1] * len(tokens), [SLOT] * len(tokens))
+    return decoder.lm_head(decoder.forward_cached(tokens, step, routing), routing)
+
+
+@torch.no_grad()
+def test_a_padded_decode_step_gives_the_live_rows_logits_and_writes_only_the_scratch_block(
+    decoders: tuple[Decoder, Decoder],
+) -> None:
+    """Padding rows (token 0 at position 0) write and attend to their own scratch slot only: every live
+    row's blocks hold what the unpadded step writes, and its logits are the reference's. Equal within
+    rounding, not bit for bit: a CPU GEMM rounds a row differently with another row count (MKL's kernels
+    for M mod 4 rows), and the softmax sums another number of masked positions."""
+    decoder, twin = decoders
+    torch.manual_seed(4)
+    sequences = [torch.randint(0, SHAPES["vocab_size"], (n,)) for n in (7, 3, 12)]
+    expected = [full_logits(decoder, sequence, SLOT)[-1] for sequence in sequences]
+    exact = [full_logits(twin, sequence, SLOT)[-1] for sequence in sequences]
+    cache, rows = _prefilled(decoder, sequences)
+    assert cache.num_blocks == 16 and cache.stored_bytes == 17 * cache.block_bytes
+    step = cache.decode(rows, num_rows=8, span=32)
+    assert step.slots_BL.shape == step.is_visible_BL.shape == (8, 32)
+    scratch = range(16 * 4, 17 * 4)
+    assert step.slots_B[3:].tolist() == [64, 65, 66, 67, 64]  # five padding rows over the 4 scratch slots
+    assert step.positions_T[3:].tolist() == [0] * 5
+    for b in range(3, 8):
+        assert step.slots_BL[b][step.is_visible_BL[b]].tolist() == [step.slots_B[b].item()]
+    assert all(slot not in scratch for slot in step.slots_B[:3].tolist())
+    assert [int(step.is_visible_BL[b].sum()) for b in range(3)] == [len(s) for s in sequences]
+    keys_before = cache.keys[0].clone()
+    tokens = torch.cat([torch.stack([s[-1] for s in sequences]), torch.zeros(5, dtype=torch.int64)])
+    logits = _step_logits(decoder, tokens, step)
+    for b in range(3):
+        assert_within_rounding(logits[b], expected[b], exact[b], f"live row {b}")
+    # Bits, not values: an unwritten slot may hold NaN, which equals nothing.
+    written = cache.keys[0].flatten(0, 1).view(torch.int32) != keys_before.flatten(0, 1).view(torch.int32)
+    changed = set(written.any(-1).any(-1).nonzero().flatten().tolist())
+    assert changed <= set(step.slots_B.tolist())  # the live rows' new tokens and the scratch slots
+    assert cache.num_free_blocks == 16 - sum(-(-len(s) // 4) for s in sequences)  # no row holds scratch
+
+
+@torch.no_grad()
+def test_in_a_padded_step_a_rows_logits_do_not_depend_on_the_rows_beside_it(decoder: Decoder) -> None:
+    """Bit for bit: three rows in a bucket of 8 rows and 32 positions beside five padding rows, and
+    beside five live rows of other lengths; the padding and the other rows add nothing to a row."""
+    torch.manual_seed(5)
+    sequences = [torch.randint(0, SHAPES["vocab_size"], (n,)) for n in (7, 3, 12, 5, 9, 2, 8, 4)]
+    alone_cache, alone_rows = _prefilled(decoder, sequences[:3])
+    beside_cache, beside_rows = _prefilled(decoder, sequences)
+    last = torch.stack([s[-1] for s in sequences])
+    padded = torch.cat([last[:3], torch.zeros(5, dtype=torch.int64)])
+    alone = _step_logits(decoder, padded, alone_cache.decode(alone_rows, num_rows=8, span=32))
+    beside = _step_logits(decoder, last, beside_cache.decode(beside_rows, num_rows=8, span=32))
+    assert torch.equal(alone[:3], beside[:3])
+
+
+def test_a_padded_step_must_hold_its_live_rows_and_their_span(decoder: Decoder) -> None:
+    cache = KVCache(decoder.config, "cpu", torch.float32, max_tokens=64)
+    rows = [cache.allocate(20), cache.allocate(20)]
+    with torch.no_grad():
+        decoder.forward_cached(torch.arange(17), cache.prefill(rows, [10, 7]))
+    with pytest.raises(ValueError, match="does not fit 1 rows of span 16"):
+        cache.decode(rows, num_rows=1, span=16)
+    with pytest.raises(ValueError, match="up to position 10 does not fit 2 rows of span 10"):
+        cache.decode(rows, num_rows=2, span=10)
 
 
 def test_a_row_larger_than_the_pool_is_refused_with_the_numbers(decoder: Decoder) -> None:

@@ -21,6 +21,7 @@ from loraplex.engine.interface import Engine, EngineInfo, EngineUsage, Parameter
 from loraplex.engine.optimizer import StepPlan, apply_slots, prepare_slots
 from loraplex.engine.passes import run_pass
 from loraplex.engine.pending_step import PendingStep
+from loraplex.engine.sampler.decode_graphs import use_cuda_graphs
 from loraplex.engine.sampler.generation import Sampler
 from loraplex.engine.sharding import merge_results, piece_requests, split_by_budget
 from loraplex.engine.slots import SlotPool, poisoned_message
@@ -85,6 +86,7 @@ class LocalEngine(Engine):
         max_sampling_batch: int = DEFAULT_MAX_SAMPLING_BATCH,
         snapshot_capacity: int = DEFAULT_MAX_SAMPLING_SNAPSHOTS,
         max_pass_tokens: int | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.decoder = decoder
         self.info = info
@@ -104,6 +106,7 @@ class LocalEngine(Engine):
             snapshot_capacity,
             info.max_rank,
             logprob_chunk,
+            cuda_graphs,
         )
 
     def validate_pass_request(self, request: PassRequest) -> None:
@@ -352,11 +355,13 @@ def build_local_engine(
     tp: TensorParallel = SINGLE,
     compile_setting: str = "auto",
     max_sampling_snapshots: int = DEFAULT_MAX_SAMPLING_SNAPSHOTS,
+    cuda_graphs_setting: str = "auto",
 ) -> LocalEngine:
     """Load `model` ("tiny" = the built-in model, else an HF model directory) onto `device`, this rank's
     part of it under tensor parallelism (`tp`); passes past `max_pass_tokens` run in pieces; the decoder's
     elementwise math fused by torch.compile as `compile_setting` says (`serve --compile`); up to
-    `max_sampling_snapshots` snapshots sample at once."""
+    `max_sampling_snapshots` snapshots sample at once; decode steps replayed from CUDA graphs as
+    `cuda_graphs_setting` says (`serve --cuda-graphs`)."""
     is_tiny = model == "tiny"
     # Absolute: get_info reports it as the tokenizer's location, which clients elsewhere must find.
     model_dir = (ensure_tiny_model(data_dir) if is_tiny else Path(model).expanduser()).resolve()
@@ -381,5 +386,10 @@ def build_local_engine(
         device=str(torch_device),
     )
     return LocalEngine(
-        decoder, info, max_slots, max_pass_tokens=max_pass_tokens, snapshot_capacity=max_sampling_snapshots
+        decoder,
+        info,
+        max_slots,
+        max_pass_tokens=max_pass_tokens,
+        snapshot_capacity=max_sampling_snapshots,
+        cuda_graphs=use_cuda_graphs(cuda_graphs_setting, decoder),
     )

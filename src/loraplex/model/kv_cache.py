@@ -14,7 +14,9 @@ blocks in position order) that grows a block at a time as its tokens arrive, so 
 and one long row costs no other row anything. `allocate` reserves the blocks a row may come to need, so a
 step never runs out of them and an admission that cannot be served fails at once, naming the numbers;
 `free` gives a row's blocks back. Token t of a row lives at slot table[t // S] * S + t % S of the pool
-viewed flat.
+viewed flat. One more block, the scratch block, follows the `num_blocks` rows may hold: no row ever owns
+it, and the padding rows of a decode step padded to a fixed shape (`decode`'s `num_rows`) write their
+keys and values there and attend to nothing else, so padding costs no row's state.
 
 Decode gathers each step's rows' keys and values through their tables into batch order (one
 index_select per layer for each) and runs one SDPA call under a padding mask. Against the contiguous
@@ -24,8 +26,9 @@ profiler self time): 673 ms of SDPA over the padded view before; 461 ms of SDPA 
 now, about 4% of a ~3 s run. That is the price of rows that grow independently on the CPU; on CUDA this
 pool and the block tables are the layout torch's paged varlen_attn takes.
 
-Shapes: T packed new tokens, B sequences of a decode step, P blocks in the pool, S tokens a block,
-N query heads, K kv heads, H head dim, L longest cached span of a step.
+Shapes: T packed new tokens, B sequences of a decode step (padding rows included), X its padding rows,
+P blocks in the pool, S tokens a block, N query heads, K kv heads, H head dim, L the span of a step (its
+longest cached span, or more when padded).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class KVCache:
         self._factory = {"device": device, "dtype": dtype}
         self._itemsize = dtype.itemsize
         self.block_tokens = block_tokens
-        self.num_blocks = -(-max_tokens // block_tokens)
+        self.num_blocks = -(-max_tokens // block_tokens)  # blocks rows may hold; the scratch block follows
         self._lengths: list[int | None] = []  # tokens cached per row; None = the row is free
         self._reserved: list[int] = []  # tokens each live row was allocated for
         self._tables: list[list[int]] = []  # each row's blocks, in position order
@@ -110,8 +113,9 @@ class KVCache:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of storage allocated now: the whole pool while a row is live, else nothing."""
-        return self.num_blocks * self.block_bytes if self.keys else 0
+        """Bytes of storage allocated now: the whole pool (the scratch block too) while a row is live, else
+        nothing."""
+        return (self.num_blocks + 1) * self.block_bytes if self.keys else 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -194,28 +198,43 @@ class KVCache:
         slots_T = self._slots(rows, max(lengths))[is_new_QL]  # row-major: the pack's order
         return PrefillStep(self, packing, to_device(slots_T, device))
 
-    def decode(self, rows: Sequence[int]) -> DecodeStep:
-        """A step appending one token to each of the distinct live `rows` (in batch order)."""
+    def decode(self, rows: Sequence[int], num_rows: int | None = None, span: int | None = None) -> DecodeStep:
+        """A step appending one token to each of the distinct live `rows` (in batch order), padded to
+        `num_rows` rows and a span of `span` positions where given (at least the rows and the longest span:
+        a step of fixed shapes, whatever its live rows).
+
+        A padding row (after the live ones) is token position 0 writing and attending to its own slot of
+        the scratch block, which no row owns; live rows' positions past their own are masked out.
+        """
         if len(set(rows)) != len(rows):
             raise ValueError(f"a decode step takes each row once; got {list(rows)}")
         positions = [self.length(row) for row in rows]
         for row, position in zip(rows, positions, strict=True):
             if position >= self._reserved[row]:
                 raise ValueError(f"row {row} is full: it was allocated for {self._reserved[row]} tokens")
+        num_rows = len(rows) if num_rows is None else num_rows
+        span = max(positions) + 1 if span is None else span
+        if num_rows < len(rows) or span <= max(positions):
+            raise ValueError(
+                f"a step of {len(rows)} rows up to position {max(positions)} does not fit {num_rows} rows "
+                f"of span {span}"
+            )
         for row, position in zip(rows, positions, strict=True):
             self._grow(row, position + 1)
             self._lengths[row] = position + 1
-        span = max(positions) + 1
         slots_BL = self._slots(rows, span)
         positions_B = np.array(positions, dtype=np.int64)
         is_visible_BL = np.arange(span)[None, :] <= positions_B[:, None]
         # A position past its row's end reads the row's first token, which is written, so the masked-out
         # scores and values stay finite (the pool is never zeroed).
         slots_BL = np.where(is_visible_BL, slots_BL, slots_BL[:, :1])
+        if num_rows > len(rows):
+            padded = self._padded(slots_BL, positions_B, is_visible_BL, num_rows)
+            slots_BL, positions_B, is_visible_BL = padded
         device = self._factory["device"]
         return DecodeStep(
             self,
-            to_device(slots_BL[np.arange(len(rows)), positions_B], device),
+            to_device(slots_BL[np.arange(num_rows), positions_B], device),
             to_device(positions_B, device),
             to_device(slots_BL, device),
             to_device(is_visible_BL, device),
@@ -228,6 +247,21 @@ class KVCache:
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
+
+    def _padded(
+        self, slots_BL: np.ndarray, positions_B: np.ndarray, is_visible_BL: np.ndarray, num_rows: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The live rows' step metadata followed by padding rows up to `num_rows`: each at position 0, its
+        one visible slot its own of the scratch block (padding row i takes slot i mod S), which no live row
+        reads."""
+        num_padding, span = num_rows - len(positions_B), slots_BL.shape[1]
+        scratch_X = self.num_blocks * self.block_tokens + np.arange(num_padding) % self.block_tokens
+        is_first_XL = np.broadcast_to(np.arange(span) == 0, (num_padding, span))
+        return (
+            np.concatenate([slots_BL, np.repeat(scratch_X[:, None], span, axis=1)]),
+            np.concatenate([positions_B, np.zeros(num_padding, np.int64)]),
+            np.concatenate([is_visible_BL, is_first_XL]),
+        )
 
     def _slots(self, rows: Sequence[int], span: int) -> np.ndarray:
         """(len(rows), span) int64 pool slots, on the host, of each row's first `span` positions, from one
@@ -246,8 +280,9 @@ class KVCache:
             table.append(self._free_blocks.pop())
 
     def _allocate_pool(self) -> None:
-        """Every layer's (P, S, K, H) keys and values, uninitialised: a slot is read only once written."""
-        shape = (self.num_blocks, self.block_tokens, *self._head_shape)
+        """Every layer's (P, S, K, H) keys and values, the scratch block last, uninitialised: a slot is read
+        only once written."""
+        shape = (self.num_blocks + 1, self.block_tokens, *self._head_shape)
         self.keys = [torch.empty(shape, **self._factory) for _ in range(self._num_layers)]
         self.values = [torch.empty(shape, **self._factory) for _ in range(self._num_layers)]
         self._free_blocks = list(reversed(range(self.num_blocks)))

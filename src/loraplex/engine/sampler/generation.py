@@ -7,7 +7,9 @@ admitted in the same step) into a KV-cache row, copies that row for each further
 prompt if asked and draws every sample's first token from the prompt's last position. Each step then
 feeds every active sequence's last token at once, the batch ordered by snapshot so that each
 snapshot's rows form one LoRA routing segment, and draws the next tokens (and, for the rows that ask,
-the top-k of the distribution each was drawn from). A sequence leaves the batch
+the top-k of the distribution each was drawn from). A decode step is padded to fixed shapes, its rows and
+its span each rounded up to a bucket (decode_buckets.py), and on CUDA its forward and logits are one graph
+replay per bucket (decode_graphs.py); sampling runs after it, outside any graph. A sequence leaves the batch
 (and frees its row) when it stops; a request finishes when all its samples have.
 Under tensor parallelism every rank of the decoder's group makes the same calls in the same order: each
 caches its own kv heads and computes its vocabulary rows of the logits, which one all_gather per forward
@@ -31,6 +33,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from loraplex.engine.sampler.decode_buckets import batch_bucket, span_bucket
+from loraplex.engine.sampler.decode_graphs import DecodeGraphs
 from loraplex.engine.sampler.prompt_scores import PromptAsks, PromptScores, score_prompt
 from loraplex.engine.sampler.sampling import draw_tokens, top_logprobs
 from loraplex.engine.sampler.snapshot_cache import SnapshotCache
@@ -45,7 +49,7 @@ from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, 
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.host_copy import to_device
-from loraplex.model.kv_cache import BLOCK_TOKENS, KVCache
+from loraplex.model.kv_cache import BLOCK_TOKENS, DecodeStep, KVCache
 from loraplex.model.memory_plan import kv_bytes_per_token
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.tensor_parallel import gather_vocab
@@ -107,6 +111,7 @@ class Sampler:
         snapshot_capacity: int,
         max_rank: int,
         chunk_size: int,
+        cuda_graphs: bool = False,
     ) -> None:
         self.decoder = decoder
         self.model_dir = Path(model_dir)
@@ -116,6 +121,8 @@ class Sampler:
         self._limits = SamplingLimits()  # none beyond the model's until the server sets its own
         self.cache = self._new_cache()
         self.snapshots = SnapshotCache(decoder.lora_targets(), snapshot_capacity, max_rank)
+        # Decode steps replayed from CUDA graphs (decode_graphs.py: use_cuda_graphs says where they apply).
+        self.graphs = DecodeGraphs(self._eager_step_logits) if cuda_graphs else None
         self._waiting: deque[tuple[str, SampleRequest]] = deque()
         self._jobs: dict[str, _Job] = {}  # admitted, in admission order
         self.prefill_tokens = 0  # prompt tokens prefilled since start, for telemetry
@@ -131,7 +138,7 @@ class Sampler:
         if self.cache.num_live_rows:
             raise RuntimeError("sampling limits change only while no request holds a cache row")
         self._limits = limits
-        self.cache = self._new_cache()
+        self._replace_cache()
 
     @cached_property
     def tokenizer(self) -> Tokenizer | None:
@@ -202,8 +209,15 @@ class Sampler:
         """Forget every request, cache row and snapshot use, whatever state a failed step left."""
         self._jobs.clear()
         self._waiting.clear()
-        self.cache = self._new_cache()
+        self._replace_cache()
         self.snapshots.release_all()
+
+    def _replace_cache(self) -> None:
+        """A new, empty KV cache; the graphs go with the old one, whose pools they read (and hold, through
+        their steps, until dropped)."""
+        self.cache = self._new_cache()
+        if self.graphs is not None:
+            self.graphs.clear()
 
     def _new_cache(self) -> KVCache:
         weight = self.decoder.lm_head.weight
@@ -361,22 +375,44 @@ class Sampler:
 
     # --- decoding
     def _decode(self, active: list[tuple[_Job, _Sequence]]) -> None:
-        """Feed every active sequence's last token (one KV-cache decode step) and draw the next ones.
+        """Feed every active sequence's last token (one KV-cache decode step, padded to its bucket) and draw
+        the next ones."""
+        sequences = [sequence for _, sequence in active]
+        tokens_B, step, routing = self._bucketed_step(
+            [sequence.row for sequence in sequences],
+            [sequence.tokens[-1] for sequence in sequences],
+            [job.snapshot_id for job, _ in active],
+        )
+        if self.graphs is None:
+            logits_BV = self._eager_step_logits(tokens_B, step, routing)
+        else:
+            logits_BV = self.graphs.logits(tokens_B, step, routing)
+        self._draw(logits_BV[: len(sequences)], sequences)
+
+    def _bucketed_step(
+        self, rows: list[int], tokens: list[int], snapshot_ids: list[int | None]
+    ) -> tuple[Tensor, DecodeStep, LoRARouting]:
+        """A decode step feeding `tokens` to cache `rows` of `snapshot_ids`: its tokens, cache step and
+        routing, padded to its bucket's rows and span (decode_buckets.py). Padding rows feed token 0 at
+        position 0 with the pools' zero entry (index -1), in the cache's scratch block, so they add
+        nothing to any live row.
 
         Dense layers route each row by its snapshot's pool entry (the same ops for any mix of snapshots);
-        expert layers by the segments."""
+        expert layers by the segments, the padding rows base-only."""
         device = self.decoder.lm_head.weight.device
-        sequences = [sequence for _, sequence in active]
-        step = self.cache.decode([sequence.row for sequence in sequences])
-        snapshot_ids = [job.snapshot_id for job, _ in active]
+        num_rows = batch_bucket(len(rows), self.max_batch)
+        span = span_bucket(max(self.cache.length(row) for row in rows) + 1, self.max_context_length)
+        step = self.cache.decode(rows, num_rows, span)
+        num_padding = num_rows - len(rows)
+        snapshot_ids = snapshot_ids + [None] * num_padding
         pool_index_B = np.array([self.snapshots.pool_index(i) for i in snapshot_ids], np.int64)
-        segments = LoRARouting.from_sequences([1] * len(active), snapshot_ids).segments
-        routing = LoRARouting(segments, to_device(pool_index_B, device))
-        tokens_B = to_device(
-            np.array([sequence.tokens[-1] for sequence in sequences], dtype=np.int64), device
-        )
-        hidden_BD = self.decoder.forward_cached(tokens_B, step, routing)
-        self._draw(self._logits(hidden_BD, routing), sequences)
+        segments = LoRARouting.from_sequences([1] * num_rows, snapshot_ids).segments
+        tokens_B = to_device(np.array(tokens + [0] * num_padding, np.int64), device)
+        return tokens_B, step, LoRARouting(segments, to_device(pool_index_B, device))
+
+    def _eager_step_logits(self, tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> Tensor:
+        """(B, V) fp32 logits of a decode step's forward, run op by op (what a CUDA graph captures)."""
+        return self._logits(self.decoder.forward_cached(tokens_B, step, routing), routing)
 
     def _draw(self, logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
         """Draw one token per sequence, append it, and retire the sequences that stop."""
