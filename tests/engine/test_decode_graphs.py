@@ -218,3 +218,26 @@ def test_sampling_with_graphs_draws_what_sampling_without_draws(
             np.testing.assert_array_equal(ours.logprobs, theirs.logprobs, err_msg=key)
     graphed.drop_samples()  # a failed step's reset: a new KV cache, and no graph of the old one's pools
     assert len(graphed.sampler.graphs) == 0
+
+
+def test_a_capture_that_fails_leaves_sampling_eager_with_the_same_draws(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On the CPU every capture fails (there is no CUDA stream to capture on): the sampler logs it once,
+    drops its graphs and decodes eagerly, drawing what a sampler without graphs draws."""
+    requests = {
+        f"seeded{i}": SampleRequest(np.arange(1, 4 + 5 * i) % 250, SamplingParams(max_tokens=5, seed=i))
+        for i in range(3)
+    }
+    want = sample_all(_engine(tmp_path_factory, "cpu", "off"), requests, join_every=1)
+    failing = _engine(tmp_path_factory, "cpu", "off")
+    failing.sampler.graphs = DecodeGraphs(failing.sampler._eager_step_logits)
+    got = sample_all(failing, requests, join_every=1)
+    assert failing.sampler.graphs is None
+    assert [r.message for r in caplog.records if "without CUDA graphs" in r.message] == [
+        "decoding without CUDA graphs from now on (serve --cuda-graphs off skips them)"
+    ]
+    for key, result in want.items():
+        for ours, theirs in zip(got[key].sequences, result.sequences, strict=True):
+            np.testing.assert_array_equal(ours.tokens, theirs.tokens, err_msg=key)
+            np.testing.assert_array_equal(ours.logprobs, theirs.logprobs, err_msg=key)

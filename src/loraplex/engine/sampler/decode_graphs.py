@@ -53,6 +53,10 @@ _WARMUP_RUNS = 3
 StepLogits = Callable[[Tensor, DecodeStep, LoRARouting], Tensor]
 
 
+class CaptureError(RuntimeError):
+    """A decode step could not be captured; its KV writes (the warm-up's) are those the eager step makes."""
+
+
 def use_cuda_graphs(setting: str, decoder: Decoder) -> bool:
     """The `--cuda-graphs` setting for `decoder`: "auto" on where graphs apply (CUDA, one rank, no MoE
     layer), "off" never, "on" there too but a UserError naming why elsewhere."""
@@ -116,7 +120,11 @@ class DecodeGraphs:
         bucket = (step.slots_BL.shape[0], step.slots_BL.shape[1])
         graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._graphs[bucket] = self._capture(tokens_B, step, routing)
+            try:
+                graph = self._graphs[bucket] = self._capture(tokens_B, step, routing)
+            except Exception as exc:  # an op that cannot be captured, on some torch or driver
+                self.clear()
+                raise CaptureError(f"capturing the decode step of bucket {bucket} failed: {exc}") from exc
             if len(self._graphs) > self._max_graphs:
                 self._graphs.popitem(last=False)
         else:

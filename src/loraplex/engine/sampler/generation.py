@@ -22,6 +22,7 @@ Shapes: Q prompts in a prefill, T their packed tokens, B sequences of a step, D 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from loraplex.engine.sampler.decode_buckets import batch_bucket, span_bucket
-from loraplex.engine.sampler.decode_graphs import DecodeGraphs
+from loraplex.engine.sampler.decode_graphs import CaptureError, DecodeGraphs
 from loraplex.engine.sampler.prompt_scores import PromptAsks, PromptScores, score_prompt
 from loraplex.engine.sampler.sampling import draw_tokens, top_logprobs
 from loraplex.engine.sampler.snapshot_cache import SnapshotCache
@@ -53,6 +54,8 @@ from loraplex.model.kv_cache import BLOCK_TOKENS, DecodeStep, KVCache
 from loraplex.model.memory_plan import kv_bytes_per_token
 from loraplex.model.multi_lora import LoRARouting
 from loraplex.model.tensor_parallel import gather_vocab
+
+log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -383,11 +386,18 @@ class Sampler:
             [sequence.tokens[-1] for sequence in sequences],
             [job.snapshot_id for job, _ in active],
         )
-        if self.graphs is None:
-            logits_BV = self._eager_step_logits(tokens_B, step, routing)
-        else:
-            logits_BV = self.graphs.logits(tokens_B, step, routing)
-        self._draw(logits_BV[: len(sequences)], sequences)
+        self._draw(self._step_logits(tokens_B, step, routing)[: len(sequences)], sequences)
+
+    def _step_logits(self, tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> Tensor:
+        """The step's (B, V) logits: replayed from its bucket's graph where graphs are on; eager where they
+        are off, or from the first capture that fails on (logged: a decode that works beats a fast one)."""
+        if self.graphs is not None:
+            try:
+                return self.graphs.logits(tokens_B, step, routing)
+            except CaptureError:
+                log.exception("decoding without CUDA graphs from now on (serve --cuda-graphs off skips them)")
+                self.graphs = None
+        return self._eager_step_logits(tokens_B, step, routing)
 
     def _bucketed_step(
         self, rows: list[int], tokens: list[int], snapshot_ids: list[int | None]
