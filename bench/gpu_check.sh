@@ -3,7 +3,8 @@
 # python3 and torch (no project venv: the engine needs torch, numpy, safetensors, tokenizers, httpx,
 # huggingface_hub and prometheus_client; the tests need pytest, transformers and peft):
 #   1. tests: the engine's CUDA correctness tests, `pytest -m gpu` (bf16 parity, fp32 logits, sync-free
-#      decode under torch.cuda.set_sync_debug_mode("error"), bit-for-bit repeats under --deterministic);
+#      decode under torch.cuda.set_sync_debug_mode("error"), bit-for-bit repeats under --deterministic,
+#      decode graph replays), one process per test file;
 #   2. train: `bench train` on the Qwen3-4B shape, SLOTS x TOKENS_PER_SLOT tokens per step, MFU at 4N;
 #   3. sample: `bench sample` on the same shape, tokens/s and the median decode step against the bound
 #      its memory traffic sets at HBM_GBPS (docs/BENCHMARKS.md, "The paper model").
@@ -63,8 +64,13 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: run it within its limit, report, k
 for name in $STAGES; do
   case $name in
     tests)
-      stage tests "${TESTS_TIMEOUT_S:-180}" "$PYTHON" -m pytest -m gpu -q -rA -p no:cacheprovider \
-        --basetemp "$SCRATCH/pytest" tests/model tests/engine
+      # One process per test file: a kernel fault (a misaligned address, say) poisons the CUDA context
+      # of its process, and would fail every later test of a shared one.
+      stage tests "${TESTS_TIMEOUT_S:-180}" bash -c 'rc=0
+        for file in $(grep -l "pytest.mark.gpu" tests/model/test_*.py tests/engine/test_*.py); do
+          "$0" -m pytest -m gpu -q -rA -p no:cacheprovider --basetemp "$1/pytest" "$file" || rc=1
+        done
+        exit $rc' "$PYTHON" "$SCRATCH"
       ;;
     train)
       stage train "${TRAIN_TIMEOUT_S:-150}" "$PYTHON" -m loraplex.bench train --model "$MODEL" \

@@ -127,10 +127,23 @@ def _op_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
     if packet is aten._grouped_mm and any(a.dtype != torch.bfloat16 for a in args[:2]):
         return "CUDA's grouped GEMM takes bf16 only; other dtypes loop, reading each offset back"
     if packet is aten.copy_ and args[0].device != args[1].device:
-        return "copy between devices"
+        is_upload = _is_queued_upload(args[1], args[0].device, len(args) > 2 and args[2])
+        return None if is_upload else "copy between devices"
     if packet is aten._to_copy and kwargs.get("device") not in (None, args[0].device):
-        return "copy between devices"
+        is_upload = _is_queued_upload(args[0], kwargs["device"], kwargs.get("non_blocking", False))
+        return None if is_upload else "copy between devices"
     return None
+
+
+def _is_queued_upload(source: torch.Tensor, target: torch.device, non_blocking: bool) -> bool:
+    """A non-blocking copy from pinned host memory to a CUDA device: queued behind the device's work, the
+    host goes on (what model/host_copy.py's `to_device` does)."""
+    return (
+        bool(non_blocking)
+        and source.device.type == "cpu"
+        and torch.device(target).type == "cuda"
+        and (source.is_pinned())
+    )
 
 
 def _is_mask(index: Any) -> bool:
