@@ -34,7 +34,14 @@ class ServerConfig(BaseModel):
         8,
         ge=1,
         description="Adapters (training runs) resident at once; more runs than this take turns, the others "
-        "parked to disk.",
+        "waiting in host memory (--host-slots) or parked to disk.",
+    )
+    host_slots: int | None = Field(
+        None,
+        ge=0,
+        description="Runs whose state waits in host memory (pinned on CUDA) when they give up their slot; "
+        "beyond this, and for runs of finished or lapsed sessions, state is parked to disk. Default: as "
+        "many max-rank slots as fit in half the host memory available at start-up; 0 = disk only.",
     )
     max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
     deterministic: bool = Field(
