@@ -216,8 +216,8 @@ class ServerConfig(BaseModel):
     slot_wait_s: float = Field(
         2.0,
         ge=0,
-        description="With more runs than slots, how long a run waits for a slot before a run holding "
-        "gradients not yet stepped is parked (gradients included) to make room for it.",
+        description="With more runs than slots, how long a run waits for a slot before a run with work "
+        "ready, or holding gradients not yet stepped, is parked (gradients included) to make room for it.",
     )
     seq_gap_timeout_s: float = Field(
         600.0,
