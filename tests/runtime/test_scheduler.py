@@ -205,6 +205,33 @@ def test_idle_runs_are_parked_for_waiters_the_least_recently_active_first() -> N
     assert [_ids(w) for w in plan.work] == [["busy-1"]]  # type: ignore[arg-type]
 
 
+def test_idle_runs_are_parked_for_waiters_once_requests_stop_arriving() -> None:
+    """A step of four runs on two slots arrives one request after another, the waiters' first: the resident
+    runs, idle when those land, are not swapped out for a moment before their own requests come."""
+    a, b = _resident("a", last_active=0.0), _resident("b", last_active=0.0)
+    c, d = _waiter("c", 10.000), _waiter("d", 10.002)
+    gathering = Gathering(quiet_s=0.025, max_wait_s=0.1)
+    scheduler = Scheduler(capacity=2, token_budget=100, gathering=gathering, slot_wait_s=2.0)
+    plan = scheduler.plan([a, b, c, d], now=10.003)
+    assert (plan.parks, plan.admits, plan.work) == ([], [], [])
+    assert scheduler.wake_at == 10.002 + 0.025  # quiet_s after the last arrival
+    _send(a, _pass(4), at=10.004)  # a's own step arrives; b sends nothing
+    plan = scheduler.plan([a, b, c, d], now=10.010)
+    assert (plan.parks, plan.admits, [_ids(w) for w in plan.work]) == ([], [], [["a-1"]])  # type: ignore[arg-type]
+    a.pending_gradients = True  # as the worker marks it once the pass ran
+    plan = scheduler.plan([a, b, c, d], now=10.029)  # quiet since 10.004: b, idle, makes room for c
+    assert (_names(plan.parks), _names(plan.admits)) == (["b"], ["c"])
+
+    # A stream of arrivals defers the parks max_wait_s after the first waiter's request at most.
+    e, f = _resident("e"), _waiter("f", 20.0)
+    scheduler = Scheduler(capacity=1, token_budget=100, gathering=gathering, slot_wait_s=2.0)
+    for now in (20.02, 20.05, 20.08):
+        _send(f, _pass(4), at=now)
+        assert not scheduler.plan([e, f], now=now).parks
+    assert scheduler.wake_at == 20.0 + 0.1
+    assert _names(scheduler.plan([e, f], now=20.1).parks) == ["e"]
+
+
 def test_runs_with_work_ready_run_it_before_a_waiter_takes_their_slot_until_it_waited_slot_wait_s() -> None:
     """Twice as many runs as slots, each with a step ready: the resident ones step, the others wait (each
     swap is a copy of a run's state out and back); a waiter past slot_wait_s takes the least recently
