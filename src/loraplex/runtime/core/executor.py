@@ -79,7 +79,7 @@ class Executor:
         telemetry: Telemetry,
         progress: ProgressBoard,
         max_prefill_tokens: int,
-        host_slots: int = 0,
+        host_slots: int,
     ) -> None:
         self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
         self.meter, self.telemetry, self.progress = meter, telemetry, progress
@@ -311,8 +311,6 @@ class Executor:
         except Exception:
             log.exception("could not park run %s; it stays resident", run.run_id)
             return False
-        with self.state.cond:
-            run.slot = None
         self._parked(run, directory)
         return True
 
@@ -329,16 +327,15 @@ class Executor:
             log.exception("could not park run %s from host memory; it stays there", run.run_id)
             return False
         self._on_host.discard(run.run_id)
-        with self.state.cond:
-            run.host_key = None
         self._parked(run, directory)
         return True
 
     def _parked(self, run: RunState, directory: Path) -> None:
-        """The run's state is on disk in `directory` now."""
+        """The run's state is on disk in `directory` now, and nowhere else (one change under the lock, so
+        the control plane never sees a run held nowhere that is not parked either)."""
         self.telemetry.record_park("disk")
         with self.state.cond:
-            run.status, run.parked_dir = PARKED, directory
+            run.slot, run.host_key, run.status, run.parked_dir = None, None, PARKED, directory
             run.waiting_since = time.monotonic() if run.queue.ready() else None
         self.hand_over(Record(facts=[RunStatusChanged(run.run_id, PARKED)]))
         log.info("parked run %s to %s", run.run_id, directory)
