@@ -124,7 +124,7 @@ class FakeEngine(Engine):
         return size
 
     def host_bytes_per_slot(self) -> int:
-        return 6 * VOCAB * self.info.max_rank * 8  # A and B, their gradients and moments, float64
+        return 8 * VOCAB * self.info.max_rank * 8  # A and B, their gradients and two moments, float64
 
     # --- passes
     def validate_pass_request(self, request: PassRequest) -> None:

@@ -38,11 +38,6 @@ class HostSlot:
     has_gradients: bool
     copied: torch.cuda.Event | None = None  # recorded after the device-to-host copy; None: nothing pending
 
-    @property
-    def nbytes(self) -> int:
-        """Host memory the slot holds."""
-        return sum(t.nbytes for t in self.buffers)
-
     def tensors(self) -> tuple[dict[str, Tensor], OptimizerState, dict[str, Tensor]]:
         """Weights, AdamW state and gradient accumulators by name, as a checkpoint stores them (views of the
         buffers, once their copy has landed)."""
