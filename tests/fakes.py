@@ -70,6 +70,8 @@ class FakeEngine(Engine):
         self.max_slots = max_slots
         self.base = np.random.default_rng(0).normal(0.0, 1.0, (VOCAB, VOCAB))
         self.slots: dict[int, _Slot] = {}
+        self.offloaded: dict[int, _Slot] = {}  # host copies by key
+        self._next_key = 0
         self.pass_log: list[list[int | None]] = []  # slots of every run_pass call, for scheduler tests
         self.optim_log: list[list[int]] = []
         self.sample_queue: list[tuple[str, SampleRequest]] = []
@@ -97,6 +99,32 @@ class FakeEngine(Engine):
         state.zero_grad()
         self.slots[slot] = state
         return slot
+
+    # --- the host tier: the slot's arrays move aside as they are (the fake's "device" is host memory)
+    def offload_slot(self, slot: int) -> int:
+        state = self.slots[slot]
+        self.free_slot(slot)
+        key = self._next_key
+        self._next_key += 1
+        self.offloaded[key] = state
+        return key
+
+    def restore_slot(self, key: int) -> int:
+        if len(self.slots) >= self.max_slots:
+            raise CapacityError(f"all {self.max_slots} slots are in use")
+        slot = next(i for i in range(self.max_slots) if i not in self.slots)
+        self._step.invalidate()
+        self.slots[slot] = self.offloaded.pop(key)
+        return slot
+
+    def spill_offloaded(self, key: int, directory: Path, owner_digest: str) -> int:
+        s = self.offloaded[key]
+        size = _write(directory, s, owner_digest, _state_arrays(s, with_gradients=True))
+        del self.offloaded[key]
+        return size
+
+    def host_bytes_per_slot(self) -> int:
+        return 8 * VOCAB * self.info.max_rank * 8  # A and B, their gradients and two moments, float64
 
     # --- passes
     def validate_pass_request(self, request: PassRequest) -> None:
@@ -214,10 +242,7 @@ class FakeEngine(Engine):
     # --- checkpoints
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
         s = self.slots[slot]
-        arrays = {"A": s.A, "B": s.B, **s.moments, "steps": np.array(s.steps)}
-        if with_gradients:
-            arrays |= {f"grad_{k}": g for k, g in s.grad.items()}
-        return _write(directory, s, owner_digest, arrays)
+        return _write(directory, s, owner_digest, _state_arrays(s, with_gradients))
 
     def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
         config, meta = self._read_meta(checkpoint_dir)
@@ -337,6 +362,14 @@ def _norm(grad: dict[str, np.ndarray]) -> float:
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _state_arrays(s: _Slot, with_gradients: bool) -> dict[str, np.ndarray]:
+    """What a checkpoint of the slot holds (a parked one: its gradients too)."""
+    arrays = {"A": s.A, "B": s.B, **s.moments, "steps": np.array(s.steps)}
+    if with_gradients:
+        arrays |= {f"grad_{k}": g for k, g in s.grad.items()}
+    return arrays
 
 
 def _write(directory: Path, slot: _Slot, owner: str, arrays: dict[str, np.ndarray]) -> int:

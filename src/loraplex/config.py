@@ -40,7 +40,14 @@ class ServerConfig(BaseModel):
         8,
         ge=1,
         description="Adapters (training runs) resident at once; more runs than this take turns, the others "
-        "parked to disk.",
+        "waiting in host memory (--host-slots) or parked to disk.",
+    )
+    host_slots: int | None = Field(
+        None,
+        ge=0,
+        description="Runs whose state waits in host memory (pinned on CUDA) when they give up their slot; "
+        "beyond this, and for runs of finished or lapsed sessions, state is parked to disk. Default: as "
+        "many max-rank slots as fit in half the host memory available at start-up; 0 = disk only.",
     )
     max_rank: int = Field(64, ge=1, description="Largest LoRA rank a run may ask for.")
     deterministic: bool = Field(
@@ -215,8 +222,8 @@ class ServerConfig(BaseModel):
     slot_wait_s: float = Field(
         2.0,
         ge=0,
-        description="With more runs than slots, how long a run waits for a slot before a run holding "
-        "gradients not yet stepped is parked (gradients included) to make room for it.",
+        description="With more runs than slots, how long a run waits for a slot before a run with work "
+        "ready, or holding gradients not yet stepped, is parked (gradients included) to make room for it.",
     )
     seq_gap_timeout_s: float = Field(
         600.0,

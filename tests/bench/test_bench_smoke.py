@@ -144,6 +144,31 @@ def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
     assert [server.proc.poll() is not None for server in started] == [True]
 
 
+def test_residency_trains_on_a_slot_per_run_the_host_tier_and_disk_and_stops_every_server(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[launcher.Server] = []
+    real_wait = launcher._wait_healthy
+
+    def record(server: launcher.Server, timeout_s: float) -> None:
+        started.append(server)
+        real_wait(server, timeout_s)
+
+    monkeypatch.setattr(launcher, "_wait_healthy", record)
+    argv = ["residency", *FAST, "--slots", "4", "--tokens-per-slot", "6", "--rank", "2"]
+    *rows, summary = run_json(argv, capsys)
+
+    assert [r["config"] for r in rows] == ["slot_per_run", "host_tier", "disk_only"]
+    assert all(r["tokens_per_s"] == 4 * 6 / r["seconds"] for r in rows)
+    assert_positive_numbers(summary, ("residency_ratio", "disk_ratio", "host_tier_tokens_per_s"))
+    assert (summary["runs"], summary["tokens_per_step"]) == (4, 4 * 6)
+    # Four runs on two slots take turns each step (warm-up and round): through host memory, or disk.
+    assert summary["slot_per_run_parks_to_host"] == summary["slot_per_run_parks_to_disk"] == 0
+    assert summary["host_tier_parks_to_disk"] == 0 and summary["host_tier_parks_to_host"] >= 4
+    assert summary["disk_only_parks_to_host"] == 0 and summary["disk_only_parks_to_disk"] >= 4
+    assert [server.proc.poll() is not None for server in started] == [True, True, True]
+
+
 def test_sweep_prints_one_point_per_grid_cell_and_the_chart_draws_them(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -181,3 +206,6 @@ def test_bench_registers_on_the_loraplex_command_with_the_contract_flags() -> No
     api = parser.parse_args(["bench", "api", *flags])
     assert (api.slots, api.tokens_per_slot, api.rank, api.model) == (3, 16, 8, "smoke")
     assert callable(api.handler)
+    residency = parser.parse_args(["bench", "residency", *flags])
+    assert (residency.slots, residency.tokens_per_slot, residency.rank) == (3, 16, 8)
+    assert callable(residency.handler) and residency.server_timeout_s == 300.0

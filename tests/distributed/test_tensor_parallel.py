@@ -168,6 +168,25 @@ def test_parked_gradients_of_every_part_and_group_resume_on_one_rank(ranks, refe
         assert_adapters_equal(ranks.engine, reference, slots, TP_ADAMW_NOISE_MULTIPLE)
 
 
+def test_slots_through_host_memory_and_a_host_copy_parked_to_disk_resume_exactly(
+    ranks, reference, tmp_path
+) -> None:
+    """Every rank moves its own part and gradient share of a slot to host memory and back, under one key
+    and into the same slot; a host copy written to disk holds the whole tensors and summed gradients; the
+    step taken after both is the reference's."""
+    with slots_on(ranks.engine, reference) as slots:
+        train((ranks.engine, reference), slots, steps=1, seed=700)
+        for engine in (ranks.engine, reference):
+            assert all(isinstance(r, PassResult) for r in engine.run_pass(training_pass(slots, seed=701)))
+        assert ranks.engine.restore_slot(ranks.engine.offload_slot(slots[0])) == slots[0]
+        key = ranks.engine.offload_slot(slots[1])
+        ranks.engine.spill_offloaded(key, tmp_path / "parked", owner_digest="owner")
+        assert ranks.engine.load_state(tmp_path / "parked", "owner", with_optimizer=True)[0] == slots[1]
+        for engine in (ranks.engine, reference):
+            engine.optim_step(dict(zip(slots, PARAMS, strict=True)))
+        assert_adapters_equal(ranks.engine, reference, slots, TP_ADAMW_NOISE_MULTIPLE)
+
+
 def test_a_peft_snapshot_of_a_split_slot_is_the_single_rank_one(ranks, reference, tmp_path) -> None:
     with slots_on(ranks.engine, reference) as slots:
         train((reference,), slots, steps=1, seed=700)

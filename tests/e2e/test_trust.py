@@ -3,7 +3,8 @@
 A request refused once its run and seq_id are known fails alone, as that seq_id's user error, and the
 run's next request goes on; a session that dies with a gap in its log gives its slot back; runs that take
 turns on few slots (parked with their gradients, when a waiter has waited long enough) train exactly as
-each would alone.
+each would alone, their state kept in host memory (nothing written under parked/) while the host tier has
+room, or on disk with `--host-slots 0`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import LR, PHRASE, base_model, client, create_key, sft_datum
+from tests.e2e.test_observability import scrape, value
 
 RESULT_TIMEOUT_S = 60  # a wedged request would wait forever: fail instead
 REL = 1e-5
@@ -206,11 +208,48 @@ def _assert_close(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
         np.testing.assert_allclose(got, want, rtol=REL, atol=1e-6)
 
 
-def test_six_clients_taking_turns_on_two_slots_each_train_exactly_as_alone(start_server, reference) -> None:
-    server = start_server("--max-slots", "2")
+def _parks(server: Server) -> dict[str, float]:
+    """loraplex_parks_total by where the runs' state went (host memory or disk)."""
+    samples = scrape(server)
+    return {to: value(samples, "loraplex_parks_total", to=to) for to in ("host", "disk")}
+
+
+def _parked_entries(server: Server) -> list[str]:
+    """What parked/ holds: a run's state, or the hidden directory it is written to first."""
+    try:
+        return [entry.name for entry in (server.data_dir / "parked").iterdir()]
+    except FileNotFoundError:  # nothing parked yet
+        return []
+
+
+@pytest.mark.parametrize("host_slots", [[], ["--host-slots", "0"]], ids=["host-tier", "disk-only"])
+def test_six_clients_taking_turns_on_two_slots_each_train_exactly_as_alone(
+    start_server, reference, host_slots: list[str]
+) -> None:
+    server = start_server("--max-slots", "2", *host_slots)
     seeds = [11, 12, 13, 14, 15, 16]
-    with ThreadPoolExecutor(len(seeds)) as pool:
-        together = dict(zip(seeds, pool.map(lambda seed: _train(server, seed), seeds), strict=True))
+    written: list[str] = []  # whatever appears under parked/ while the clients train
+    training = threading.Event()
+    training.set()
+
+    def watch_parked() -> None:
+        while training.is_set():
+            written.extend(_parked_entries(server))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch_parked)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(seeds)) as pool:
+            together = dict(zip(seeds, pool.map(lambda seed: _train(server, seed), seeds), strict=True))
+    finally:
+        training.clear()
+        watcher.join()
+    parks = _parks(server)
+    if host_slots:  # disk only: every turn writes the run's state under parked/ and reads it back
+        assert parks["host"] == 0 and parks["disk"] >= 4 and written
+    else:  # the host tier (sized from free memory) has room for all six: nothing touches the disk
+        assert parks["disk"] == 0 and parks["host"] >= 4 and written == []
     for seed in seeds:
         _assert_close(together[seed], _train(reference, seed))
 

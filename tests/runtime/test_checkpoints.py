@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.errors import NotFoundError, UserError
+from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.recovery import RESTART_ERROR
 from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import CreateRunFromCheckpoint, SaveSnapshot, SaveState
@@ -148,14 +149,63 @@ def test_a_run_whose_lease_lapsed_is_parked_and_resumes_transparently(service_fa
     assert train_steps(service, run, 2, first_seq=5) == train_steps(expected, reference, 2, first_seq=5)
 
 
-def test_when_slots_run_out_an_idle_run_is_parked_to_make_room(service_factory) -> None:
-    service = service_factory(FakeEngine(max_slots=1))
+@pytest.mark.parametrize("host_slots", [None, 0], ids=["host-tier", "disk-only"])
+def test_when_slots_run_out_an_idle_run_is_parked_to_make_room(service_factory, host_slots) -> None:
+    service = service_factory(FakeEngine(max_slots=1), host_slots=host_slots)
     first = create_run(service, seed=1)
     losses = train_steps(service, first, 1)
     second = create_run(service, seed=2)
-    assert service.catalog.run("local", first).status == "parked"
+    # To host memory while the host tier has room (the database still says live: it lives in this
+    # process only, as a slot does), else to disk.
+    assert service.catalog.run("local", first).status == ("parked" if host_slots == 0 else "live")
+    assert (service.state.runs[first].host_key is None) == (host_slots == 0)
     assert train_steps(service, second, 1) == losses  # same phrase, base init: same first loss
     assert train_steps(service, first, 1, first_seq=3)[0] < losses[0]  # came back with its trained weights
+
+
+def _on_host(service_factory, **config) -> tuple[Runtime, str, str, list[float]]:
+    """A service of one slot whose first run, trained a step, went to host memory for a second run."""
+    engine = FakeEngine(max_slots=1)
+    service = service_factory(engine, **config)
+    first = create_run(service, seed=1)
+    losses = train_steps(service, first, 1)
+    second = create_run(service, seed=2)
+    assert service.state.runs[first].host_key in engine.offloaded
+    return service, first, second, losses
+
+
+def test_a_run_in_host_memory_goes_to_disk_when_its_lease_lapses_and_resumes_transparently(
+    service_factory,
+) -> None:
+    service, first, _, _ = _on_host(service_factory, session_timeout_s=1.5)
+    run = service.state.runs[first]
+    _wait_until(lambda: service.catalog.run("local", first).status == "parked")  # no heartbeats
+    assert run.host_key is None and (run.parked_dir / "state.npz").is_file()
+    assert not service.engine.offloaded
+    expected = service_factory(subdir="reference")
+    reference = create_run(expected, seed=1)
+    assert train_steps(service, first, 2, first_seq=3) == train_steps(expected, reference, 3)[1:]
+
+
+def test_a_stop_parks_the_runs_in_host_memory_to_disk_and_a_restart_resumes_them(service_factory) -> None:
+    before, first, second, _ = _on_host(service_factory)
+    before.stop()
+    after = service_factory()
+    assert {after.catalog.run("local", r).status for r in (first, second)} == {"parked"}
+    expected = service_factory(subdir="reference")
+    reference = create_run(expected, seed=1)
+    assert train_steps(after, first, 1, first_seq=3) == train_steps(expected, reference, 2)[1:]
+
+
+def test_a_run_in_host_memory_at_a_crash_is_lost_as_a_resident_run_is(service_factory) -> None:
+    """The host tier holds live state, as a slot does: a crash loses it (resume from a checkpoint)."""
+    before, first, second, _ = _on_host(service_factory)
+    before.engine_loop.stop()  # the process dies: nothing is parked
+    before.store.close()
+    after = service_factory()
+    assert {after.catalog.run("local", r).status for r in (first, second)} == {"lost"}
+    on_lost_run = result_of(after, after.training.submit("local", first, 3, sft_pass()))
+    assert "lost its live state" in on_lost_run.error
 
 
 def _wait_until(predicate, timeout_s: float = 5.0) -> None:

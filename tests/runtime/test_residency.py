@@ -1,5 +1,6 @@
 """Slot residency and a worker that keeps going, through the Runtime over the fake engine: more
-runs than slots all finish with what each gets alone; gradients not yet stepped pin a run to its slot
+runs than slots all finish with what each gets alone, parked to host memory while the host tier has room
+(nothing written to disk) or to disk without it; gradients not yet stepped pin a run to its slot
 until a waiter has waited slot_wait_s, and a forced park keeps them exactly; work whose result the
 database refuses fails alone and is taken back; two copies of one create_model share one future."""
 
@@ -70,15 +71,34 @@ def _wait_until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-def test_more_runs_than_slots_all_finish_with_what_each_gets_alone(service_factory, monkeypatch) -> None:
+def _parks_to(service: Runtime) -> dict[str, float]:
+    """loraplex_parks_total by where the runs' state went."""
+    registry = service.telemetry.registry
+    return {to: registry.get_sample_value("loraplex_parks_total", {"to": to}) for to in ("host", "disk")}
+
+
+# The host tier as sized by default (room for every run here), and disk only.
+HOST_TIERS = pytest.mark.parametrize("host_slots", [None, 0], ids=["host-tier", "disk-only"])
+
+
+@HOST_TIERS
+def test_more_runs_than_slots_all_finish_with_what_each_gets_alone(
+    service_factory, monkeypatch, host_slots: int | None
+) -> None:
     engine = FakeEngine(max_slots=2)
-    service = service_factory(engine, slot_wait_s=0.2)
+    service = service_factory(engine, slot_wait_s=0.2, host_slots=host_slots)
     seeds = [1, 2, 3, 4, 5]
     runs = {seed: create_run(service, seed=seed) for seed in seeds}
     parks = _count_parks(service, monkeypatch)
     submitted = {seed: _submit_rounds(service, runs[seed], seed, rounds=2) for seed in seeds}
     together = {seed: _outcomes(service, records) for seed, records in submitted.items()}
     assert len(parks) >= 3  # five runs took turns on two slots
+    # While the host tier has room nothing is written to disk; without it every park is.
+    went, other = ("disk", "host") if host_slots == 0 else ("host", "disk")
+    counted = _parks_to(service)  # since start: the creations took turns too
+    assert counted[other] == 0 and counted[went] >= len(parks)
+    if host_slots is None:
+        assert not any((service.layout.data_dir / "parked").glob("*"))
 
     alone = service_factory(FakeEngine(max_slots=1), subdir="alone")
     for seed in seeds:  # one run at a time: never parked
@@ -86,11 +106,12 @@ def test_more_runs_than_slots_all_finish_with_what_each_gets_alone(service_facto
         assert together[seed] == _outcomes(alone, _submit_rounds(alone, run, seed, rounds=2))
 
 
+@HOST_TIERS
 def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_s_then_keeps_them(
-    service_factory, monkeypatch
+    service_factory, monkeypatch, host_slots: int | None
 ) -> None:
     engine = FakeEngine(max_slots=1)
-    service = service_factory(engine, slot_wait_s=1.0)
+    service = service_factory(engine, slot_wait_s=1.0, host_slots=host_slots)
     a = create_run(service, seed=1)
     parks = _count_parks(service, monkeypatch)
     first = _outcomes(service, [service.training.submit("local", a, 1, sft_pass(_phrase(1)))])
@@ -108,7 +129,12 @@ def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_waited_slot_wait_
     assert result_of(service, create_b).status == "complete"
     ((parked, pinned, parked_at),) = parks
     assert (parked, pinned) == (a, True) and parked_at - asked_at >= 1.0
-    assert service.catalog.run("local", a).status == "parked" and list(engine.slots) == [b_state.slot]
+    assert list(engine.slots) == [b_state.slot]
+    if host_slots == 0:
+        assert service.catalog.run("local", a).status == "parked" and a_state.parked_dir.is_dir()
+    else:  # in host memory, gradients included: nothing on disk, and to the database still live
+        assert service.catalog.run("local", a).status == "live" and a_state.host_key in engine.offloaded
+        assert a_state.parked_dir is None and _parks_to(service) == {"host": 1, "disk": 0}
 
     # a comes back (b, idle, makes room) with the gradients it was parked with: its step and the loss
     # after it equal those of a run that was never parked.

@@ -196,18 +196,59 @@ def test_runs_without_a_slot_are_given_free_slots_oldest_first() -> None:
     assert [run.waiting_since for run in (late, early, middle)] == [3.0, 1.0, 2.0]
 
 
-def test_idle_runs_are_parked_for_waiters_before_busy_ones_then_the_least_recently_active() -> None:
+def test_idle_runs_are_parked_for_waiters_the_least_recently_active_first() -> None:
     busy = _resident("busy", _pass(4), last_active=1.0)
     idle_recent, idle_old = _resident("idle_recent", last_active=5.0), _resident("idle_old", last_active=3.0)
-    waiters = [_waiter("w1", 0.5), _waiter("w2", 0.6)]
+    waiters = [_waiter("w1", 5.5), _waiter("w2", 5.6)]
     plan = Scheduler(capacity=3, token_budget=100).plan([busy, idle_recent, idle_old, *waiters], now=6.0)
     assert (_names(plan.parks), _names(plan.admits)) == (["idle_old", "idle_recent"], ["w1", "w2"])
     assert [_ids(w) for w in plan.work] == [["busy-1"]]  # type: ignore[arg-type]
 
+
+def test_idle_runs_are_parked_for_waiters_once_requests_stop_arriving() -> None:
+    """A step of four runs on two slots arrives one request after another, the waiters' first: the resident
+    runs, idle when those land, are not swapped out for a moment before their own requests come."""
+    a, b = _resident("a", last_active=0.0), _resident("b", last_active=0.0)
+    c, d = _waiter("c", 10.000), _waiter("d", 10.002)
+    gathering = Gathering(quiet_s=0.025, max_wait_s=0.1)
+    scheduler = Scheduler(capacity=2, token_budget=100, gathering=gathering, slot_wait_s=2.0)
+    plan = scheduler.plan([a, b, c, d], now=10.003)
+    assert (plan.parks, plan.admits, plan.work) == ([], [], [])
+    assert scheduler.wake_at == 10.002 + 0.025  # quiet_s after the last arrival
+    _send(a, _pass(4), at=10.004)  # a's own step arrives; b sends nothing
+    plan = scheduler.plan([a, b, c, d], now=10.010)
+    assert (plan.parks, plan.admits, [_ids(w) for w in plan.work]) == ([], [], [["a-1"]])  # type: ignore[arg-type]
+    a.pending_gradients = True  # as the worker marks it once the pass ran
+    plan = scheduler.plan([a, b, c, d], now=10.029)  # quiet since 10.004: b, idle, makes room for c
+    assert (_names(plan.parks), _names(plan.admits)) == (["b"], ["c"])
+
+    # A stream of arrivals defers the parks max_wait_s after the first waiter's request at most.
+    e, f = _resident("e"), _waiter("f", 20.0)
+    scheduler = Scheduler(capacity=1, token_budget=100, gathering=gathering, slot_wait_s=2.0)
+    for now in (20.02, 20.05, 20.08):
+        _send(f, _pass(4), at=now)
+        assert not scheduler.plan([e, f], now=now).parks
+    assert scheduler.wake_at == 20.0 + 0.1
+    assert _names(scheduler.plan([e, f], now=20.1).parks) == ["e"]
+
+
+def test_runs_with_work_ready_run_it_before_a_waiter_takes_their_slot_until_it_waited_slot_wait_s() -> None:
+    """Twice as many runs as slots, each with a step ready: the resident ones step, the others wait (each
+    swap is a copy of a run's state out and back); a waiter past slot_wait_s takes the least recently
+    active busy run's slot, one without gradients before one with."""
     runs = [_resident(name, _pass(4), last_active=t) for name, t in (("b2", 2.0), ("b1", 1.0), ("b3", 3.0))]
-    plan = Scheduler(capacity=3, token_budget=100).plan([*runs, _waiter("w", 0.5)], now=6.0)
-    assert (_names(plan.parks), _names(plan.admits)) == (["b1"], ["w"])
-    assert sorted(_ids(plan.work[0])) == ["b2-1", "b3-1"]  # type: ignore[arg-type]
+    waiter = _waiter("w", 5.0)
+    scheduler = Scheduler(capacity=3, token_budget=100, slot_wait_s=2.0)
+    plan = scheduler.plan([*runs, waiter], now=6.0)
+    assert (plan.parks, plan.admits) == ([], [])
+    assert sorted(_ids(plan.work[0])) == ["b1-1", "b2-1", "b3-1"]  # type: ignore[arg-type]
+    assert scheduler.wake_at == 7.0
+
+    runs = [_resident(name, _pass(4), last_active=t) for name, t in (("b2", 2.0), ("b1", 1.0), ("b3", 3.0))]
+    runs[1].pending_gradients = True  # b1, least recently active, holds gradients: b2 goes first
+    plan = Scheduler(capacity=3, token_budget=100, slot_wait_s=2.0).plan([*runs, waiter], now=7.0)
+    assert (_names(plan.parks), _names(plan.admits)) == (["b2"], ["w"])
+    assert sorted(_ids(plan.work[0])) == ["b1-1", "b3-1"]  # type: ignore[arg-type]
 
 
 def test_a_run_holding_gradients_keeps_its_slot_until_a_waiter_has_waited_slot_wait_s() -> None:
@@ -231,16 +272,19 @@ def test_work_is_planned_only_for_runs_that_hold_their_slot_through_the_plan() -
     resident = _resident("r", _pass(4), OptimStep(AdamParams()), last_active=0.0)
     waiter = _waiter("w", 0.5, _pass(4), SaveState("s"))
     scheduler = Scheduler(capacity=1, token_budget=100, slot_wait_s=2.0)
-    plan = scheduler.plan([resident, waiter], now=1.0)
+    plan = scheduler.plan([resident, waiter], now=2.5)  # w waited slot_wait_s for busy r
     assert (_names(plan.parks), _names(plan.admits), plan.work) == (["r"], ["w"], [])
     assert resident.queue.next_seq_id == waiter.queue.next_seq_id == 1  # nothing was popped for either
 
     # The worker parks r and gives w the slot; w does the work it waited for before it can be parked again
-    # (parked at once, it would hand the slot straight back and the two would swap without end).
-    resident.slot, resident.status, resident.waiting_since = None, PARKED, 1.0
+    # (parked at once, it would hand the slot straight back and the two would swap without end), and the
+    # rest of its ready work (its barrier) before r has waited slot_wait_s in turn.
+    resident.slot, resident.status, resident.waiting_since = None, PARKED, 2.5
     waiter.slot, waiter.status, waiter.waiting_since = 3, "live", None
-    plan = scheduler.plan([resident, waiter], now=1.1)
+    plan = scheduler.plan([resident, waiter], now=2.6)
     assert (plan.parks, plan.admits, [_ids(w) for w in plan.work]) == ([], [], [["w-1"]])  # type: ignore[arg-type]
-    assert scheduler.wake_at == 3.0
-    plan = scheduler.plan([resident, waiter], now=1.2)  # w has worked and is not pinned: it yields the slot
+    assert scheduler.wake_at == 4.5
+    plan = scheduler.plan([resident, waiter], now=2.7)
+    assert (plan.parks, plan.admits, [w.entry.future_id for w in plan.work]) == ([], [], ["w-2"])  # type: ignore[union-attr]
+    plan = scheduler.plan([resident, waiter], now=2.8)  # w is idle now and not pinned: it yields the slot
     assert (_names(plan.parks), _names(plan.admits), plan.work) == (["w"], ["r"], [])

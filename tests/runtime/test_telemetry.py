@@ -106,7 +106,7 @@ def test_outcomes_and_database_calls_are_counted(clock: FakeClock) -> None:
 
 def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeClock) -> None:
     telemetry = Telemetry(device="cuda:0", clock=clock)
-    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7)
+    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7, runs_on_host=4)
     telemetry.record_usage(EngineUsage(device_name="NVIDIA H200", device_allocated_bytes=1 << 30))
     clock.now += 42.0
     snapshot = telemetry.snapshot()
@@ -117,7 +117,7 @@ def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeCloc
         1,
     )
     assert snapshot.queue_depth == dict.fromkeys(QUEUE_KINDS, 0) | {"forward_backward": 5}
-    assert snapshot.futures_pending == 7
+    assert snapshot.futures_pending == 7 and snapshot.runs_on_host == 4
     assert snapshot.device == "cuda:0 (NVIDIA H200)"
     assert snapshot.memory.device_allocated_bytes == 1 << 30
     assert snapshot.uptime_s == 42.0
@@ -125,10 +125,12 @@ def test_the_snapshot_reads_occupancy_and_lists_every_queue_kind(clock: FakeCloc
 
 def test_records_land_in_the_registry_that_metrics_serves(clock: FakeClock) -> None:
     telemetry = Telemetry(clock=clock)
-    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7)
+    telemetry.occupancy_source = lambda: Occupancy(3, 8, 2, 1, {"forward_backward": 5}, 7, runs_on_host=4)
     for tokens in (100, 20, 3):
         telemetry.record_pass(tokens=tokens, requests=2, runs=2, tenants=1, duration_s=0.3)
     telemetry.record_optim_step(runs=4, duration_s=0.02)
+    for to in ("host", "host", "disk"):
+        telemetry.record_park(to)
     telemetry.record_outcomes(5, {"server": 2})
     telemetry.record_engine_thread({"engine": 0.5, "durable": 0.0, "held": 0.0, "idle": 1.5, "other": 0.25})
     value = telemetry.registry.get_sample_value
@@ -144,6 +146,8 @@ def test_records_land_in_the_registry_that_metrics_serves(clock: FakeClock) -> N
     assert value("loraplex_queue_depth", {"kind": "forward_backward"}) == 5
     assert value("loraplex_queue_depth", {"kind": "create"}) == 0
     assert value("loraplex_futures_pending") == 7
+    assert value("loraplex_runs_on_host") == 4 and value("loraplex_runs_parked") == 2
+    assert [value("loraplex_parks_total", {"to": to}) for to in ("host", "disk")] == [2, 1]
 
 
 def test_device_memory_appears_once_reported_and_the_info_gauge_names_the_device(clock: FakeClock) -> None:

@@ -1,4 +1,5 @@
-"""Argument parsing of `loraplex bench train|optim|sample|api`, and dispatch to the subcommand's entry point.
+"""Argument parsing of `loraplex bench train|optim|sample|api|residency`, and dispatch to the subcommand's
+entry point.
 
 `add_bench_parser` registers `bench` on the `loraplex` command's subparsers; `main` serves
 `python -m loraplex.bench`. Both set `handler=` on the parsed namespace, as loraplex.cli expects.
@@ -50,7 +51,7 @@ def _handler(subcommand: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _add_subcommands(parser: argparse.ArgumentParser) -> None:
-    """`train`, `optim`, `sample` and `api` under `parser`."""
+    """`train`, `optim`, `sample`, `api` and `residency` under `parser`."""
     subcommands = parser.add_subparsers(dest="bench_command", required=True)
     train = subcommands.add_parser(
         "train", help="Fused multi-slot forward_backward vs the naive PEFT loop and the one-slot pass."
@@ -121,14 +122,29 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         "api", help="The train workload through the tinker SDK over HTTP vs direct engine calls."
     )
     _common(api, slots=8)
-    api.add_argument("--tokens-per-slot", type=int, default=32, help="tokens per slot per step (default: 32)")
-    api.add_argument(
+    _server_options(api)
+    api.set_defaults(handler=_handler("api"))
+    residency = subcommands.add_parser(
+        "residency",
+        help="More runs than slots (--slots runs on half as many slots, host tier vs disk only) against a "
+        "slot per run, through the tinker SDK.",
+    )
+    _common(residency, slots=8)
+    _server_options(residency)
+    residency.set_defaults(handler=_handler("residency"))
+
+
+def _server_options(parser: argparse.ArgumentParser) -> None:
+    """Flags of the subcommands that train through a `loraplex serve` subprocess."""
+    parser.add_argument(
+        "--tokens-per-slot", type=int, default=32, help="tokens per slot per step (default: 32)"
+    )
+    parser.add_argument(
         "--server-timeout-s",
         type=float,
         default=300.0,
         help="longest wait for the server to start (default: 300)",
     )
-    api.set_defaults(handler=_handler("api"))
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -69,12 +69,16 @@ class Server:
     def engine_thread_seconds(self) -> dict[str, float]:
         """The engine thread's wall seconds so far by state, from the server's /metrics
         (loraplex_engine_thread_seconds_total; docs/METRICS.md)."""
+        return self.metric("loraplex_engine_thread_seconds_total", "state")
+
+    def metric(self, name: str, label: str) -> dict[str, float]:
+        """The samples of one metric of the server's /metrics (docs/METRICS.md), by the value of `label`."""
         text = httpx.get(f"{self.base_url}/metrics", headers={"X-API-Key": "tml-local"}, timeout=10).text
         return {
-            sample.labels["state"]: sample.value
+            sample.labels[label]: sample.value
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name == "loraplex_engine_thread_seconds_total"
+            if sample.name == name
         }
 
     def peak_rss_mb(self) -> float | None:

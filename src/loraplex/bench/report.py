@@ -21,7 +21,18 @@ from loraplex.bench.timing import Stat, Timings
 
 # Configurations whose rows carry a tokens/s figure (the matmul probe does not): bench train's, bench
 # sample's (generated tokens) and bench api's.
-_TOKEN_CONFIGS = ("fused", "one_slot", "naive_peft", "engine", "base_only", "hf_peft", "sdk")
+_TOKEN_CONFIGS = (
+    "fused",
+    "one_slot",
+    "naive_peft",
+    "engine",
+    "base_only",
+    "hf_peft",
+    "sdk",
+    "slot_per_run",
+    "host_tier",
+    "disk_only",
+)
 # Point fields shown in the one-line human form of a sweep point.
 _POINT_FIELDS = (
     "slots",

@@ -55,6 +55,22 @@ def save_state(
     assert optimizer is not None  # asked for
     if not pool.writes_files:
         return 0
+    return write_state(
+        directory, record.config, weights, optimizer, gradients, owner_digest, base_model_digest
+    )
+
+
+def write_state(
+    directory: Path,
+    config: LoraConfig,
+    weights: dict[str, Tensor],
+    optimizer: OptimizerState,
+    gradients: dict[str, Tensor] | None,
+    owner_digest: str,
+    base_model_digest: str,
+) -> int:
+    """Write whole tensors as a checkpoint directory, atomically; return bytes written (save_state's files:
+    also how a slot held in host memory is parked to disk, engine/offload.py)."""
     files = {
         WEIGHTS_FILE: {name: t.cpu() for name, t in weights.items()},
         OPTIMIZER_FILE: {
@@ -72,8 +88,8 @@ def save_state(
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "lora_config": dataclasses.asdict(record.config),
-            "step": record.adam.step,
+            "lora_config": dataclasses.asdict(config),
+            "step": optimizer.step,
             "base_model_digest": base_model_digest,
             "owner_digest": owner_digest,
             "files": {name: _describe((tmp / name).read_bytes()) for name in files},

@@ -144,6 +144,26 @@ class Engine(ABC):
     ) -> tuple[int, LoraConfig]:
         """Load a checkpoint into `slot` (None = a new slot); verify everything before touching it."""
 
+    # --- the host tier: slots moved to host memory and back (runtime/core/executor.py decides when)
+    @abstractmethod
+    def offload_slot(self, slot: int) -> int:
+        """Copy the slot's whole state (weights, AdamW moments and step, unstepped gradient accumulators)
+        to host memory and free the slot; return the key of the host copy."""
+
+    @abstractmethod
+    def restore_slot(self, key: int) -> int:
+        """Put the host copy `key` back into a new slot, exactly as it was offloaded, and forget the copy;
+        return the slot. CapacityError (the copy kept) if no slot is free."""
+
+    @abstractmethod
+    def spill_offloaded(self, key: int, directory: Path, owner_digest: str) -> int:
+        """Write the host copy `key` to `directory` as `save_state(with_gradients=True)` would have written
+        its slot, then forget the copy; return bytes written. If it raises, the copy is kept."""
+
+    @abstractmethod
+    def host_bytes_per_slot(self) -> int:
+        """Host memory one offloaded slot of the largest rank takes, on every engine rank together."""
+
     @abstractmethod
     def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
         """Write a training checkpoint's weights as a PEFT snapshot, without a slot; return bytes written."""

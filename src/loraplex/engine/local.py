@@ -6,6 +6,7 @@ Engine code: no HTTP, no SQL; knows nothing of runs, tenants or futures.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch import Tensor
 from loraplex.engine import checkpoints, snapshots
 from loraplex.engine.host_memory import keep_freed_host_memory
 from loraplex.engine.interface import Engine, EngineInfo, EngineUsage, ParameterBytes
+from loraplex.engine.offload import HostSlot, SlotMover
 from loraplex.engine.optimizer import StepPlan, apply_slots, prepare_slots
 from loraplex.engine.passes import run_pass
 from loraplex.engine.pending_step import PendingStep
@@ -36,7 +38,7 @@ from loraplex.engine.types import (
     SampleResult,
 )
 from loraplex.engine.validation import validate_pass_request
-from loraplex.errors import ServerError, UserError
+from loraplex.errors import NotFoundError, ServerError, UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.elementwise import elementwise_for
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
@@ -96,6 +98,9 @@ class LocalEngine(Engine):
         self._undo_buffer = UndoBuffer()  # where every pass transaction's copies go (transactions.py)
         self._step: PendingStep[tuple[list[int], StepPlan]] = PendingStep()  # the prepared step, if any
         self.last_pass = PassMetrics()
+        self._mover = SlotMover(self.pool.device)
+        self._offloaded: dict[int, HostSlot] = {}  # host copies by key (offload_slot)
+        self._next_key = 0  # keys follow from the same offloads on every data-parallel rank
         self.logprob_chunk = logprob_chunk
         self.max_pass_tokens = max_pass_tokens  # a larger pass runs as several (None: never split)
         self.sampler = Sampler(
@@ -252,6 +257,54 @@ class LocalEngine(Engine):
         return checkpoints.load_state(
             self.pool, directory, owner_digest, self.info.base_model_digest, with_optimizer, slot
         )
+
+    def offload_slot(self, slot: int) -> int:
+        """Move the slot's whole state to host memory (engine/offload.py) and free the slot."""
+        self._begin_change()  # as in free_slot
+        host = self._mover.to_host(self.pool.get(slot))
+        self.pool.free(slot)
+        key, self._next_key = self._next_key, self._next_key + 1
+        self._offloaded[key] = host
+        return key
+
+    def restore_slot(self, key: int, forget: bool = True) -> int:
+        """A new slot of the host copy's config, overwritten with the copy bit for bit; the copy is kept
+        unless `forget` (a data-parallel rank keeps it until every rank has parked it: replica.py)."""
+        host = self._host_copy(key)
+        self._begin_change()
+        slot = self.pool.create(host.config)  # CapacityError before the copy is forgotten
+        self._mover.to_device(host, self.pool.get(slot))
+        if forget:
+            self.forget_offloaded(key)
+        return slot
+
+    def forget_offloaded(self, key: int) -> None:
+        """Drop the host copy `key`."""
+        self._host_copy(key)
+        del self._offloaded[key]
+
+    def spill_offloaded(self, key: int, directory: Path, owner_digest: str) -> int:
+        """Write the host copy in the format a parked slot's save_state writes (gradients included)."""
+        if self.pool.tp.is_parallel:  # a rank holds parts; DistributedEngine parks through a slot instead
+            raise ServerError("a tensor-parallel rank cannot write its host copy alone")
+        host = self._host_copy(key)
+        weights, optimizer, gradients = host.tensors()
+        size = checkpoints.write_state(
+            directory, host.config, weights, optimizer, gradients, owner_digest, self.info.base_model_digest
+        )
+        self.forget_offloaded(key)
+        return size
+
+    def host_bytes_per_slot(self) -> int:
+        """Four fp32 buffers (weights, gradients, two moments) of a max-rank slot training every target."""
+        shapes = self.pool.expected_shapes(LoraConfig(rank=self.info.max_rank))
+        return 4 * 4 * sum(math.prod(shape) for shape in shapes.values())
+
+    def _host_copy(self, key: int) -> HostSlot:
+        host = self._offloaded.get(key)
+        if host is None:
+            raise NotFoundError(f"no host copy of a slot has key {key}")
+        return host
 
     def export_snapshot(self, checkpoint_dir: Path, snapshot_dir: Path, owner_digest: str) -> int:
         """A training checkpoint's weights as a PEFT snapshot, verified as a load verifies them; no slot."""

@@ -35,6 +35,7 @@ from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.duty import DutyMeter, MeteredEngine
 from loraplex.runtime.core.engine_loop import EngineLoop
 from loraplex.runtime.core.executor import Executor
+from loraplex.runtime.core.host_tier import default_host_slots
 from loraplex.runtime.core.scheduler import Gathering, Scheduler
 from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.console import Console
@@ -105,6 +106,9 @@ class Runtime:
         )
         # The engine thread's calls are timed (core/duty.py); other threads call `engine` itself.
         meter = DutyMeter(self.telemetry)
+        host_slots = config.host_slots
+        if host_slots is None:
+            host_slots = default_host_slots(engine.host_bytes_per_slot())
         executor = Executor(
             cast(Engine, MeteredEngine(engine, meter)),
             self.writer,
@@ -114,6 +118,7 @@ class Runtime:
             self.telemetry,
             self.progress,
             config.max_prefill_tokens,
+            host_slots,
         )
         scheduler = Scheduler(
             config.pass_token_budget,

@@ -34,18 +34,22 @@ from loraplex.engine.distributed.protocol import (
     ApplyStep,
     CancelSample,
     Checkpoint,
+    ForgetOffloaded,
     FreeSlot,
+    OffloadSlot,
     Ping,
     PrepareStep,
     RankCommand,
     RankError,
     RankReply,
+    RestoreSlot,
     Rollback,
     RunPass,
     SamplerCommand,
     SaveSnapshot,
     SaveState,
     Shutdown,
+    SpillOffloaded,
     StepSampler,
     SyncSlot,
     gather_replies,
@@ -66,7 +70,7 @@ from loraplex.engine.types import (
     SampleRequest,
     SampleResult,
 )
-from loraplex.errors import NotFoundError, ServerError, UserError
+from loraplex.errors import CapacityError, NotFoundError, ServerError, UserError
 from loraplex.model.tensor_parallel import CollectiveError
 
 log = logging.getLogger(__name__)
@@ -224,6 +228,47 @@ class DistributedEngine(Engine):
         record = self.local.pool.get(slot)
         command = SyncSlot(slot, record.config, record.optimizer_state().step, source)
         self._exchange([command] * self._group.world_size)
+
+    # --- the host tier: every rank moves its own part and share of a slot
+    def offload_slot(self, slot: int) -> int:
+        """Every rank moves its copy of the slot to its host memory, under the same key."""
+        self._raise_if_failed()
+        self._step.invalidate()
+        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        return self._agreed(self._exchange([OffloadSlot(slot)] * self._group.world_size), "host copy key")
+
+    def restore_slot(self, key: int) -> int:
+        """Every rank brings its host copy back, into the same new slot."""
+        self._raise_if_failed()
+        self._step.invalidate()
+        self._require_free_slot()
+        return self._agreed(self._exchange([RestoreSlot(key)] * self._group.world_size), "slot")
+
+    def spill_offloaded(self, key: int, directory: Path, owner_digest: str) -> int:
+        """Rank 0 writes the host copy as save_state writes a slot: the ranks' parts and shares go through
+        a slot they hold for the save only, so one must be free (CapacityError otherwise, the copy kept)."""
+        self._raise_if_failed()
+        self._step.invalidate()
+        self._require_free_slot()
+        command = SpillOffloaded(key, Path(directory), owner_digest)
+        size = self._exchange([command] * self._group.world_size)[0]
+        self._exchange([ForgetOffloaded(key)] * self._group.world_size)
+        return size  # type: ignore[return-value]
+
+    def host_bytes_per_slot(self) -> int:
+        """Every rank's host copy (ranks started by --nproc share this machine's memory)."""
+        return self.local.host_bytes_per_slot() * self._group.world_size
+
+    def _require_free_slot(self) -> None:
+        pool = self.local.pool
+        if len(pool.live_slots) >= pool.max_slots:
+            raise CapacityError(f"all {pool.max_slots} adapter slots are in use")
+
+    def _agreed(self, replies: list[object], what: str) -> int:
+        """The one value every rank answered; ranks answering differently have diverged."""
+        if len(set(replies)) != 1:
+            raise self._fail(f"engine ranks answered different {what}s: {replies}")
+        return replies[0]  # type: ignore[return-value]
 
     # --- files, written by rank 0 from the first data-parallel group's parts
     def save_state(self, slot: int, directory: Path, owner_digest: str, with_gradients: bool = False) -> int:
@@ -446,6 +491,7 @@ _WHAT = {
     ApplyStep: "optimizer step",
     SaveState: "checkpoint save",
     SaveSnapshot: "snapshot save",
+    SpillOffloaded: "parking of a host copy",
     StepSampler: "sampling step",
 }
 

@@ -100,6 +100,38 @@ class SaveState:
 
 
 @dataclass(frozen=True)
+class OffloadSlot:
+    """Move `slot` to host memory on every rank (each its own part and share: LocalEngine.offload_slot);
+    every rank answers the same key."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class RestoreSlot:
+    """Bring the host copy `key` back into a new slot on every rank; every rank answers the same slot."""
+
+    key: int
+
+
+@dataclass(frozen=True)
+class SpillOffloaded:
+    """Write the host copy `key` as SaveState(with_gradients) writes a slot: every rank restores it into a
+    slot it frees again after the save, keeping its copy (ForgetOffloaded drops it once all succeeded)."""
+
+    key: int
+    directory: Path
+    owner_digest: str
+
+
+@dataclass(frozen=True)
+class ForgetOffloaded:
+    """Drop the host copy `key` on every rank."""
+
+    key: int
+
+
+@dataclass(frozen=True)
 class SaveSnapshot:
     """Write `slot`'s PEFT snapshot: the first data-parallel group gathers its weights, rank 0 writes."""
 
@@ -154,6 +186,10 @@ RankCommand = (
     | Rollback
     | SaveState
     | SaveSnapshot
+    | OffloadSlot
+    | RestoreSlot
+    | SpillOffloaded
+    | ForgetOffloaded
     | SyncSlot
     | FreeSlot
     | SamplerCommand
@@ -163,8 +199,9 @@ RankCommand = (
 )
 # Commands a rank answers with a RankError when its share raises, staying in the group: rank 0 then takes
 # the whole back on every rank (take_back) and raises the error, or, where that cannot be done
-# (ApplyStep), fails the engine. A failed save changed no slot: there is nothing to take back.
-REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot, StepSampler)
+# (ApplyStep), fails the engine. A failed save changed no slot: there is nothing to take back (a failed
+# SpillOffloaded frees its slot on every rank, and every rank keeps its host copy).
+REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot, SpillOffloaded, StepSampler)
 
 
 def take_back(command: RankCommand) -> RankCommand | None:

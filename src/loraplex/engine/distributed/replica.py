@@ -19,16 +19,20 @@ from loraplex.engine.distributed.protocol import (
     ApplyStep,
     CancelSample,
     DropSamples,
+    ForgetOffloaded,
     FreeSlot,
+    OffloadSlot,
     Ping,
     PrepareStep,
     RankCommand,
     RankError,
     RankReply,
+    RestoreSlot,
     Rollback,
     RunPass,
     SaveSnapshot,
     SaveState,
+    SpillOffloaded,
     StepSampler,
     SyncSlot,
 )
@@ -88,6 +92,14 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
         return sync_slot(engine, command, group)
     if isinstance(command, FreeSlot):
         return engine.free_slot(command.slot)
+    if isinstance(command, OffloadSlot):
+        return engine.offload_slot(command.slot)
+    if isinstance(command, RestoreSlot):
+        return engine.restore_slot(command.key)
+    if isinstance(command, SpillOffloaded):
+        return spill_offloaded(engine, command, group)
+    if isinstance(command, ForgetOffloaded):
+        return engine.forget_offloaded(command.key)
     if isinstance(command, AddSample):
         return engine.add_sample(command.key, command.request)
     if isinstance(command, StepSampler):
@@ -179,6 +191,16 @@ def save_state(engine: LocalEngine, command: SaveState, group: RankGroup) -> int
     if group.dp_rank != 0:
         return None
     return engine.save_state(command.slot, command.directory, command.owner_digest, command.with_gradients)
+
+
+def spill_offloaded(engine: LocalEngine, command: SpillOffloaded, group: RankGroup) -> int | None:
+    """This rank's part of writing a host copy: its part and share go back into a slot for as long as the
+    save takes (save_state sums the shares and gathers the parts on the device), the copy itself kept."""
+    slot = engine.restore_slot(command.key, forget=False)
+    try:
+        return save_state(engine, SaveState(slot, command.directory, command.owner_digest, True), group)
+    finally:
+        engine.free_slot(slot)
 
 
 @torch.no_grad()

@@ -171,29 +171,37 @@ class EngineLoop:
                     "refused before its seq_id could be read); this request waited behind it and is dropped"
                 )
                 self.executor.hand_over(Record(dict.fromkeys((e.future_id for e in entries), gap)))
-        for run in lapsed:
+        for run in lapsed:  # straight to disk: the host tier is for runs still training
             if run.slot is not None and run.queue.is_idle():
-                self.executor.park(run)
+                self.executor.park(run, to_disk=True)
+            elif run.host_key is not None and run.queue.is_idle():
+                self.executor.spill(run)
 
     def park_all(self) -> None:
-        """Park every resident run (gradients included), so a restart finds them on disk: called once the
-        loop has stopped."""
+        """Park every run the engine holds (gradients included), in a slot or in host memory, so a restart
+        finds them on disk: called once the loop has stopped."""
         with self.cond:
             resident = [run for run in self.state.active.values() if run.slot is not None]
+            on_host = [run for run in self.state.active.values() if run.host_key is not None]
         for run in resident:
-            self.executor.park(run)
+            self.executor.park(run, to_disk=True)
+        for run in on_host:
+            self.executor.spill(run)
         self.executor.settle()
-        if resident:
-            log.info("parked %d resident runs before stopping", len(resident))
+        if resident or on_host:
+            log.info(
+                "parked %d resident runs and %d from host memory before stopping", len(resident), len(on_host)
+            )
 
     def _forget_quiet_runs(self) -> None:
-        """Keep the per-cycle plan set to runs that hold a slot or have commands: idle parked and lost runs
-        leave it, so thousands of old runs cost a plan nothing (a run is added back on its next request)."""
+        """Keep the per-cycle plan set to runs the engine holds or that have commands: idle parked and lost
+        runs leave it, so thousands of old runs cost a plan nothing (a run is added back on its next
+        request); runs in the host tier stay, so their sessions' leases are watched."""
         with self.cond:
             quiet = [
                 run_id
                 for run_id, run in self.state.active.items()
-                if (run.slot is None or run.status == LOST) and run.queue.is_idle()
+                if (not run.is_held() or run.status == LOST) and run.queue.is_idle()
             ]
             for run_id in quiet:
                 del self.state.active[run_id]

@@ -79,10 +79,13 @@ class Executor:
         telemetry: Telemetry,
         progress: ProgressBoard,
         max_prefill_tokens: int,
+        host_slots: int,
     ) -> None:
         self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
         self.meter, self.telemetry, self.progress = meter, telemetry, progress
         self.max_prefill_tokens = max_prefill_tokens
+        self.host_slots = host_slots  # runs the host tier holds at most (--host-slots)
+        self._on_host: set[str] = set()  # ids of the runs it holds
         # The last record whose call the engine may have to take back, and how.
         self._open: tuple[Receipt, Callable[[], None]] | None = None
 
@@ -280,12 +283,26 @@ class Executor:
             result["size_bytes"] = size
         return Record({future_id: result}, [saved], written=None if existed else directory)
 
-    # --- residency
-    def park(self, run: RunState) -> bool:
-        """Save a resident run's whole state (gradients included) to disk and free its slot; False (logged,
-        the run stays resident) if that failed."""
+    # --- residency: a run's state leaves its slot for the host tier while it has room, else for disk
+    def park(self, run: RunState, to_disk: bool = False) -> bool:
+        """Free a resident run's slot, its whole state (gradients included) kept exactly: in host memory
+        while the host tier has room and `to_disk` is not asked, else saved to disk; False (logged, the run
+        stays resident) if that failed."""
         self.settle()
         slot = _slot_of(run)
+        if not to_disk and len(self._on_host) < self.host_slots:
+            try:
+                key = self.engine.offload_slot(slot)
+            except Exception:
+                log.exception("could not move run %s to host memory; it stays resident", run.run_id)
+                return False
+            self._on_host.add(run.run_id)
+            self.telemetry.record_park("host")
+            with self.state.cond:
+                run.slot, run.host_key = None, key
+                run.waiting_since = time.monotonic() if run.queue.ready() else None
+            log.debug("moved run %s to host memory", run.run_id)
+            return True
         directory = self.layout.parked_dir(run.run_id)
         try:
             with self.progress.track("park run", run.tenant, run.run_id, writes=directory):
@@ -294,20 +311,45 @@ class Executor:
         except Exception:
             log.exception("could not park run %s; it stays resident", run.run_id)
             return False
+        self._parked(run, directory)
+        return True
+
+    def spill(self, run: RunState) -> bool:
+        """Park a run of the host tier to disk (its session ended, or the server stops), in the format of
+        `park`; False (logged, the run stays in host memory) if that failed."""
+        self.settle()
+        assert run.host_key is not None
+        directory = self.layout.parked_dir(run.run_id)
+        try:
+            with self.progress.track("park run", run.tenant, run.run_id, writes=directory):
+                self.engine.spill_offloaded(run.host_key, directory, owner_digest(run.tenant))
+        except Exception:
+            log.exception("could not park run %s from host memory; it stays there", run.run_id)
+            return False
+        self._on_host.discard(run.run_id)
+        self._parked(run, directory)
+        return True
+
+    def _parked(self, run: RunState, directory: Path) -> None:
+        """The run's state is on disk in `directory` now, and nowhere else (one change under the lock, so
+        the control plane never sees a run held nowhere that is not parked either)."""
+        self.telemetry.record_park("disk")
         with self.state.cond:
-            run.slot, run.status, run.parked_dir = None, PARKED, directory
+            run.slot, run.host_key, run.status, run.parked_dir = None, None, PARKED, directory
             run.waiting_since = time.monotonic() if run.queue.ready() else None
         self.hand_over(Record(facts=[RunStatusChanged(run.run_id, PARKED)]))
         log.info("parked run %s to %s", run.run_id, directory)
-        return True
 
     def admit(self, run: RunState) -> None:
-        """Give a waiting run a slot: create its adapter (its first command) or bring it back from disk. No
-        free slot (a park before it failed): it keeps waiting. A failure of the run's own making fails its
-        request; a parked state that cannot be read loses the run, failing what it had queued."""
+        """Give a waiting run a slot: create its adapter (its first command) or bring it back from host
+        memory or disk. No free slot (a park before it failed): it keeps waiting. A failure of the run's own
+        making fails its request; a state that cannot be brought back loses the run, failing what it had
+        queued."""
         self.settle()
         try:
-            if run.status == PARKED:
+            if run.host_key is not None:
+                self._restore(run)
+            elif run.status == PARKED:
                 self._unpark(run)
             else:
                 self._create(run)
@@ -362,6 +404,24 @@ class Executor:
             self.state.active.pop(run.run_id, None)
         after = UserError(why)
         self.hand_over(Record(outcomes | {e.future_id: after for e in later}))
+
+    def _restore(self, run: RunState) -> None:
+        assert run.host_key is not None
+        try:
+            slot = self.engine.restore_slot(run.host_key)
+        except CapacityError:
+            raise
+        except Exception as exc:
+            log.exception("could not bring back run %s from host memory; it is lost", run.run_id)
+            self._on_host.discard(run.run_id)
+            with self.state.cond:
+                run.host_key = None
+            self.lose(run, exc, f"training run {run.run_id} could not be restored (the server log says why)")
+            return
+        self._on_host.discard(run.run_id)
+        with self.state.cond:
+            run.slot, run.host_key = slot, None
+        log.debug("brought back run %s from host memory", run.run_id)
 
     def _unpark(self, run: RunState) -> None:
         assert run.parked_dir is not None

@@ -162,6 +162,9 @@ class RunState:
     status: str = LIVE
     user_metadata: dict[str, str] = field(default_factory=dict)
     parked_dir: Path | None = None
+    # The key of the engine's host-memory copy of its state while it is in the host tier (executor.py):
+    # no slot, status still LIVE (it lives in this process only, as a slot's state does).
+    host_key: int | None = None
     # Residency (scheduler.py): gradients accumulated since the last optim_step pin the run to its slot;
     # a run without a slot that has work waits in order of `waiting_since` (time.monotonic()).
     pending_gradients: bool = False
@@ -173,3 +176,7 @@ class RunState:
     def has_slot(self) -> bool:
         """Whether the run's adapter is resident in the engine."""
         return self.slot is not None
+
+    def is_held(self) -> bool:
+        """Whether the engine holds the run's state: in a slot, or in the host tier."""
+        return self.slot is not None or self.host_key is not None

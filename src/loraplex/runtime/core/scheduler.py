@@ -14,11 +14,16 @@ Residency, planned here so that packing and parking cannot undo each other:
 - A run holding gradients not yet stepped is pinned: it is not parked to make room, so a forward_backward
   and its optim_step see the same accumulators.
 - Runs without a slot that have work wait in one queue, oldest first. When there are more of them than free
-  slots, unpinned resident runs are parked for them: idle ones first, then the least recently active; never
-  a run given its slot for work that has not been planned yet (else runs would swap slots without end). A
-  waiter that has waited `slot_wait_s` may take a pinned run's slot; that run is parked with its
-  gradients, which come back exactly (a client holding gradients on one run while it waits on another
-  must not deadlock).
+  slots, idle resident runs (nothing ready, no gradients) are parked for them, the least recently active
+  first, once requests stop arriving (as a pass gathers: `quiet_s` after the last, at most `max_wait_s`
+  after the first waiter's), since a resident run idle now may be a few milliseconds from its own step.
+  A resident run with work ready keeps its slot until that work is planned: its queued passes and
+  steps run before another run is swapped in for it, so K runs on K/2 slots take turns once per step
+  instead of parking runs whose work is ready (each swap a copy of its state out and back). Never parked
+  either: a run given its slot for work not planned yet (else runs would swap slots without end). A
+  waiter that has waited `slot_wait_s` may take a busy or pinned run's slot, busy ones first; a pinned
+  run is parked with its gradients, which come back exactly (a client holding gradients on one run while
+  it waits on another must not deadlock, and a run streaming work cannot hold its slot forever).
 
 Gathering: clients submit their runs' forward_backwards one HTTP request after another, a few
 milliseconds apart. Running the first one the moment it lands would split one step of K runs into a
@@ -132,17 +137,40 @@ class Scheduler:
         free = self.capacity - len(resident)
         if len(waiting) <= free:
             return [], waiting
-        parks = sorted((r for r in movable if not r.pending_gradients), key=_park_order)
+        parks = sorted((r for r in movable if _is_idle(r)), key=lambda run: run.last_active)
+        first_unserved = waiting[free].waiting_since or now
+        if (
+            parks
+            and now - first_unserved < self.slot_wait_s
+            and (settled_at := self._arrivals_settle_at(runs, waiting)) > now
+        ):
+            # Requests are still arriving: an idle resident run may be about to get work of its own.
+            self._wake(settled_at)
+            parks = []
         parks = parks[: len(waiting) - free]
         short = len(waiting) - free - len(parks)
         if short:
             oldest = waiting[free + len(parks)].waiting_since or now
             if now - oldest >= self.slot_wait_s:
-                pinned = sorted((r for r in movable if r.pending_gradients), key=_park_order)
-                parks += pinned[:short]
+                held = sorted((r for r in movable if not _is_idle(r)), key=_park_order)
+                parks += held[:short]
             else:
-                self.wake_at = oldest + self.slot_wait_s
+                self._wake(oldest + self.slot_wait_s)
         return parks, waiting[: free + len(parks)]
+
+    def _wake(self, at: float) -> None:
+        """Have the worker plan again at `at` at the latest."""
+        self.wake_at = at if self.wake_at is None else min(self.wake_at, at)
+
+    def _arrivals_settle_at(self, runs: list[RunState], waiting: list[RunState]) -> float:
+        """When the burst of requests the waiters' work arrived in is over, as the gathering of a pass
+        reckons it: `quiet_s` after the last arrival, at most `max_wait_s` after the first waiter's.
+        Clients send a step of all their runs one request after another, the waiters' often first; parking
+        idle residents the moment a waiter's request lands would swap out runs whose own requests are a
+        few milliseconds behind, and swap them back in for their work (twice the turns per step)."""
+        last = max(entry.arrived_at for run in runs for entry in run.queue.ready())
+        first = min(entry.arrived_at for run in waiting for entry in run.queue.ready()[:1])
+        return min(last + self.gathering.quiet_s, first + self.gathering.max_wait_s)
 
     def _work(self, runs: list[RunState], now: float) -> list[Work]:
         """The next pass, or else the fused step and the barriers, over resident runs."""
@@ -185,7 +213,7 @@ class Scheduler:
         deadline = min(max(arrivals) + self.gathering.quiet_s, min(arrivals) + self.gathering.max_wait_s)
         if now >= deadline:
             return False
-        self.wake_at = deadline if self.wake_at is None else min(self.wake_at, deadline)
+        self._wake(deadline)
         return True
 
     def _take_passes(self, passes: Joinable) -> list[tuple[RunState, Entry]]:
@@ -223,9 +251,15 @@ class Scheduler:
         return taken
 
 
+def _is_idle(run: RunState) -> bool:
+    """A resident run that may give up its slot at once: nothing ready, no gradients waiting for a step."""
+    return not run.pending_gradients and not run.queue.ready()
+
+
 def _park_order(run: RunState) -> tuple[bool, float]:
-    """Which resident run gives up its slot first: idle before busy, then the least recently active."""
-    return bool(run.queue.ready()), run.last_active
+    """Which busy or pinned run gives up its slot to a waiter that waited slot_wait_s: those without
+    gradients first (no gradients to copy), then the least recently active."""
+    return run.pending_gradients, run.last_active
 
 
 def work_items(work: Work) -> list[tuple[RunState, Entry]]:

@@ -35,14 +35,14 @@ class SharedState:
             return self.runs.get(run_id)
 
     def release_idle_runs(self, run_ids: list[str]) -> list[str]:
-        """Forget the named runs that are idle (no slot, nothing queued or being submitted), so that retention
-        may delete their state; return those forgotten. A run the server does not hold counts as released.
-        A request for a forgotten run is answered from the database (control/service.py)."""
+        """Forget the named runs that are idle (no slot or host copy, nothing queued or being submitted), so
+        that retention may delete their state; return those forgotten. A run the server does not hold counts
+        as released. A request for a forgotten run is answered from the database (control/service.py)."""
         released = []
         with self.cond:
             for run_id in run_ids:
                 run = self.runs.get(run_id)
-                if run is not None and (run.slot is not None or not run.queue.is_idle()):
+                if run is not None and (run.is_held() or not run.queue.is_idle()):
                     continue
                 self.runs.pop(run_id, None)
                 self.active.pop(run_id, None)
@@ -73,6 +73,7 @@ class SharedState:
         with self.cond:
             resident = sum(run.slot is not None for run in self.active.values())
             parked = sum(run.status == PARKED for run in self.runs.values())
+            on_host = sum(run.host_key is not None for run in self.active.values())
             waiting = 0
             for run in self.active.values():
                 pending = run.queue.pending()
@@ -86,6 +87,7 @@ class SharedState:
             slots_used=resident,
             slots_total=slots_total,
             runs_parked=parked,
+            runs_on_host=on_host,
             runs_waiting=waiting,
             queue_depth=depth,
         )

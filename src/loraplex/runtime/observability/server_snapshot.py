@@ -83,6 +83,7 @@ class ServerSnapshot:
     slots_used: int
     slots_total: int
     runs_parked: int
+    runs_on_host: int
     runs_waiting: int
     queue_depth: Mapping[str, int]  # every kind of QUEUE_KINDS -> requests queued ("sample": unfinished)
     futures_pending: int

@@ -13,6 +13,7 @@ API (stable; the console and /metrics read it):
     # fed by the engine loop (runtime/core/engine_loop.py, runtime/core/executor.py, runtime/core/duty.py):
     telemetry.record_pass(tokens, requests, runs, tenants, duration_s)   # one packed training pass
     telemetry.record_optim_step(runs, duration_s)                       # one fused AdamW step
+    telemetry.record_park(to)                                           # a run parked: to "host" or "disk"
     telemetry.record_sampler_step(duration_s, usage)                    # one sampler step (EngineUsage)
     telemetry.record_usage(usage)                                       # memory / KV cache, ~once a second
     telemetry.record_engine_thread(seconds_by_state)                    # the engine thread's wall time
@@ -55,6 +56,8 @@ from loraplex.runtime.observability.server_snapshot import (
     read_values,
 )
 
+# Where a parked run's state goes, the `to` label of loraplex_parks (both present from the start).
+PARK_TARGETS = ("host", "disk")
 # Kinds of queued work, the `kind` label of loraplex_queue_depth (every kind is present, 0 when empty).
 QUEUE_KINDS = ("create", "forward_backward", "forward", "optim_step", "save", "load", "sample")
 _KIND_OF_REQUEST_TYPE = {
@@ -112,6 +115,7 @@ class Occupancy:
     queue_depth: Mapping[str, int] = field(default_factory=dict)  # kind -> queued requests
     futures_pending: int = 0
     database_up: bool = True  # false while the database does not answer (control/store/outage.py)
+    runs_on_host: int = 0  # runs whose state waits in host memory (the host tier, --host-slots)
 
 
 def queue_depths(occupancy: Occupancy) -> dict[str, int]:
@@ -156,6 +160,9 @@ class _OccupancyCollector:
         )
         yield GaugeMetricFamily(
             "loraplex_runs_parked", "Runs whose state is parked on disk.", value=o.runs_parked
+        )
+        yield GaugeMetricFamily(
+            "loraplex_runs_on_host", "Runs whose state waits in host memory.", value=o.runs_on_host
         )
         yield GaugeMetricFamily(
             "loraplex_runs_waiting", "Runs with queued work but no slot.", value=o.runs_waiting
@@ -231,6 +238,14 @@ class Telemetry:
         )
         self._optim_steps = counter("loraplex_optim_steps", "Fused optimizer steps run.")
         self._optim_step_runs = counter("loraplex_optim_step_runs", "Runs stepped, summed over fused steps.")
+        parks = Counter(
+            "loraplex_parks",
+            "Runs whose state left the engine's slots or host memory, by where it went: host (host memory), "
+            "disk (parked/).",
+            ("to",),
+            registry=r,
+        )
+        self._parks = {to: parks.labels(to) for to in PARK_TARGETS}
         self._optim_s = Histogram(
             "loraplex_optim_step_duration_seconds",
             "Duration of one fused optimizer step.",
@@ -337,6 +352,10 @@ class Telemetry:
         self._optim_steps.inc()
         self._optim_step_runs.inc(runs)
         self._optim_s.observe(duration_s)
+
+    def record_park(self, to: str) -> None:
+        """A run's state went to `to` (one of PARK_TARGETS)."""
+        self._parks[to].inc()
 
     def record_sampler_step(self, duration_s: float, usage: EngineUsage) -> None:
         """One sampler step (admission, prefill, one decode step); `usage` is the engine's right after it,
@@ -445,6 +464,7 @@ class Telemetry:
             slots_used=occupancy.slots_used,
             slots_total=occupancy.slots_total,
             runs_parked=occupancy.runs_parked,
+            runs_on_host=occupancy.runs_on_host,
             runs_waiting=occupancy.runs_waiting,
             queue_depth=queue_depths(occupancy),
             futures_pending=occupancy.futures_pending,
