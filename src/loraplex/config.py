@@ -237,6 +237,13 @@ class ServerConfig(BaseModel):
         description="How far ahead of a run's next expected seq_id a request may be; further ones are "
         "refused.",
     )
+    min_free_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Free space (bytes) the data dir keeps: a save or park that would leave less is refused "
+        "with a user error (try again once space is freed); default 4 GiB or 5 percent of the filesystem, "
+        "whichever is less.",
+    )
     max_queued_bytes_per_run: int = Field(
         2**30,
         ge=1,

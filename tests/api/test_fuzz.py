@@ -384,7 +384,7 @@ def test_no_mutated_request_to_any_route_gets_a_5xx_or_fails_as_a_server_error(s
             served.next_seq += uses_seq
     findings += _server_failures(http, futures)
     assert [str(f) for f in findings] == []
-    assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+    assert http.get("/api/v1/healthz").json()["status"] == "ok"
 
 
 def _json_or_text(reply: Any) -> Any:

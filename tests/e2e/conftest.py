@@ -73,7 +73,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {log.name}")
             try:
-                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).json() == {"status": "ok"}:
+                if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).json().get("status") == "ok":
                     return self
             except httpx.HTTPError:
                 time.sleep(0.2)

@@ -123,7 +123,7 @@ def test_a_chunked_body_over_its_routes_limit_is_refused_with_413_while_it_strea
         "this server (set by --max-tokens-per-datum and --max-target-width)"
     }
     assert _peak_rss_bytes(server) - before < 50 * MB  # the server kept none of the 200 MB past its limit
-    assert http.get("/healthz").json() == {"status": "ok"}  # the connection and the server carry on
+    assert http.get("/healthz").json()["status"] == "ok"  # the connection and the server carry on
 
 
 def test_bombs_are_refused_and_leave_the_servers_peak_memory_within_50_mb(http, server, names) -> None:
@@ -227,7 +227,7 @@ def test_healthz_answers_within_100_ms_while_a_100_mib_body_is_decoded(start_ser
             with httpx.Client(base_url=server.base_url, timeout=30) as prober:
                 while not posted.is_set():
                     started = time.perf_counter()
-                    answers.append(prober.get("/api/v1/healthz").json())
+                    answers.append(prober.get("/api/v1/healthz").json()["status"])
                     latencies_s.append(time.perf_counter() - started)
                     time.sleep(0.01)
 
@@ -243,7 +243,7 @@ def test_healthz_answers_within_100_ms_while_a_100_mib_body_is_decoded(start_ser
         assert reply.status_code == 200, reply.text
         # The body took the server long (upload, decode, submission), and healthz was asked all along.
         assert took_s > 0.3 and len(latencies_s) >= 10, (took_s, len(latencies_s))
-        assert answers == [{"status": "ok"}] * len(latencies_s)
+        assert answers == ["ok"] * len(latencies_s)
         assert max(latencies_s) < 0.1, sorted(latencies_s)[-5:]
         # Accepted: decoded, densified and validated; a refusal would be a failed future already.
         pending = http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]}).json()

@@ -67,7 +67,7 @@ def test_a_thousand_half_open_connections_are_closed_while_another_client_is_ser
             if i % 2:
                 sock.sendall(b"POST /api/v1/healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         started = time.monotonic()
-        assert httpx.get(f"{server.base_url}/api/v1/healthz", timeout=10).json() == {"status": "ok"}
+        assert httpx.get(f"{server.base_url}/api/v1/healthz", timeout=10).json()["status"] == "ok"
         deadline = started + TIMEOUT_S + SLACK_S
         answers = [_read_until_closed(sock, deadline) for sock in sockets]
     assert all(answer.startswith(b"HTTP/1.1 408 Request Timeout") for answer in answers)

@@ -109,7 +109,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     state.sessions, state.catalog, state.downloads = runtime.sessions, runtime.catalog, runtime.downloads
     state.session_search, state.session_traces = runtime.session_search, runtime.session_traces
     state.info, state.layout, state.submissions = runtime.info, runtime.layout, submissions
-    state.codecs, state.database = codecs, runtime.store.reachability
+    state.codecs, state.database, state.disk = codecs, runtime.store.reachability, runtime.disk
     state.tenants, state.logins, state.console = runtime.tenants, runtime.logins, runtime.console
     state.metrics_public = runtime.config.metrics_public
     app.add_exception_handler(LoraplexError, _loraplex_error)

@@ -32,6 +32,7 @@ from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.outage import DatabaseWatch
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout
+from loraplex.runtime.core.disk_space import DiskSpace
 from loraplex.runtime.core.duty import DutyMeter, MeteredEngine
 from loraplex.runtime.core.engine_loop import EngineLoop
 from loraplex.runtime.core.executor import Executor
@@ -52,6 +53,7 @@ class Runtime:
     def __init__(self, engine: Engine, store: Store, config: ServerConfig) -> None:
         self.engine, self.store, self.config = engine, store, config
         self.layout = DiskLayout(config.data_dir)
+        self.disk = DiskSpace(config.data_dir, config.min_free_bytes)
         self.telemetry = Telemetry(engine.info.device, model_name=engine.info.model_name)
         # On /metrics from the start, not from the engine loop's first cycle (its threads are not running).
         self.telemetry.record_usage(engine.usage())
@@ -119,6 +121,7 @@ class Runtime:
             self.progress,
             config.max_prefill_tokens,
             host_slots,
+            self.disk,
         )
         scheduler = Scheduler(
             config.pass_token_budget,
@@ -177,4 +180,6 @@ class Runtime:
             occupancy,
             futures_pending=self.futures.pending_count(),
             database_up=self.store.reachability.is_up,
+            data_dir_free_bytes=self.disk.free_bytes(),
+            data_dir_reserve_bytes=self.disk.reserve_bytes,
         )

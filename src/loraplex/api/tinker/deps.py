@@ -22,6 +22,7 @@ from loraplex.runtime.control.session_trace import SessionTraces
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store.outage import Reachability
 from loraplex.runtime.core.checkpoints import DiskLayout
+from loraplex.runtime.core.disk_space import DiskSpace
 
 
 def _from_app(name: str) -> Callable[[Request], Awaitable[Any]]:
@@ -45,5 +46,6 @@ Traces = Annotated[SessionTraces, Depends(_from_app("session_traces"))]
 Info = Annotated[EngineInfo, Depends(_from_app("info"))]
 Database = Annotated[Reachability, Depends(_from_app("database"))]
 Layout = Annotated[DiskLayout, Depends(_from_app("layout"))]
+Disk = Annotated[DiskSpace, Depends(_from_app("disk"))]
 Submissions = Annotated[SubmissionThread, Depends(_from_app("submissions"))]
 Codecs = Annotated[CodecPool, Depends(_from_app("codecs"))]

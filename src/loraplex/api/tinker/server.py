@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio.to_thread
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
-from loraplex.api.tinker.deps import Database, Info, Sessions
+from loraplex.api.tinker.deps import Database, Disk, Info, Sessions
 from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
 from loraplex.runtime.control.store.outage import DatabaseUnavailableError
 
@@ -34,13 +35,18 @@ async def dynamic_config() -> dict[str, Any]:
 
 
 @router.get("/healthz", response_model=None)
-async def healthz(database: Database) -> dict[str, str] | JSONResponse:
+async def healthz(database: Database, disk: Disk) -> dict[str, str | int] | JSONResponse:
     """200 while the server can do its work; 503 with the reason while it cannot (the database does not
-    answer), so a load balancer or supervisor notices. Reads a flag: no database call on the loop."""
+    answer), so a load balancer or supervisor notices. Reads a flag: no database call on the loop. Both
+    answers give the data dir's free space and the reserve saves keep (a full disk refuses saves, not
+    training: still 200); read on a worker thread, as a stalled network filesystem would stall it."""
+    space = {"data_dir_free_bytes": await anyio.to_thread.run_sync(disk.free_bytes)}
+    space["data_dir_reserve_bytes"] = disk.reserve_bytes
     if (reason := database.down_report()) is not None:
         headers = {"Retry-After": str(DatabaseUnavailableError.retry_after_s)}
-        return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503, headers=headers)
-    return {"status": "ok"}
+        body = {"status": "unavailable", "reason": reason, **space}
+        return JSONResponse(body, status_code=503, headers=headers)
+    return {"status": "ok", **space}
 
 
 @router.get("/get_server_capabilities")

@@ -14,6 +14,7 @@ shared lock; slot ids and gradient flags are the loop's alone. No SQL, no tensor
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -33,6 +34,7 @@ from loraplex.runtime.core.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.core.disk_space import DiskSpace, is_out_of_space
 from loraplex.runtime.core.duty import DURABLE, DutyMeter
 from loraplex.runtime.core.journal import (
     FORWARD,
@@ -80,12 +82,16 @@ class Executor:
         progress: ProgressBoard,
         max_prefill_tokens: int,
         host_slots: int,
+        disk: DiskSpace,
     ) -> None:
         self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
         self.meter, self.telemetry, self.progress = meter, telemetry, progress
         self.max_prefill_tokens = max_prefill_tokens
         self.host_slots = host_slots  # runs the host tier holds at most (--host-slots)
         self._on_host: set[str] = set()  # ids of the runs it holds
+        self.disk = disk
+        # Bytes each run's last write of each kind took: what its next one is expected to need.
+        self._write_sizes: dict[tuple[str, str], int] = {}
         # The last record whose call the engine may have to take back, and how.
         self._open: tuple[Receipt, Callable[[], None]] | None = None
 
@@ -252,7 +258,12 @@ class Executor:
             if directory.exists():  # the control plane checked the sampler id; this catches a copy in flight
                 raise UserError(f"sampling session {cmd.sampler_id} already exists")
             with self.progress.track("save sampler snapshot", run.tenant, cmd.sampler_id, writes=directory):
-                self.engine.save_snapshot(slot, directory)
+                self._write(
+                    run,
+                    "snapshot",
+                    "save a sampler snapshot",
+                    lambda: self.engine.save_snapshot(slot, directory),
+                )
             sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
             result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
             return Record({future_id: result}, [sampler], written=directory)
@@ -276,12 +287,27 @@ class Executor:
                 f"checkpoint {path} already exists; pick another name or save with overwrite=True"
             )
         with self.progress.track(_SAVE_KINDS[path.kind], run.tenant, str(path), writes=directory):
-            size = write(directory)
+            size = self._write(run, path.kind, f"save checkpoint {path}", lambda: write(directory))
         saved = CheckpointSaved(path, run.tenant, size, cmd.ttl_seconds, cmd.user_metadata)
         result: dict[str, object] = {"path": str(path), "type": _RESULT_TYPES[path.kind]}
         if path.kind == "external_weights":
             result["size_bytes"] = size
         return Record({future_id: result}, [saved], written=None if existed else directory)
+
+    def _write(self, run: RunState, kind: str, what: str, write: Callable[[], int]) -> int:
+        """`write` (returning the bytes it wrote), refused before it starts if the run's last write of this
+        kind would not fit above the data dir's reserve; running out of space during it is the same user
+        error, its partial files already removed."""
+        needed = self._write_sizes.get((run.run_id, kind), 0)
+        self.disk.check(what, needed)
+        try:
+            size = write()
+        except Exception as exc:
+            if is_out_of_space(exc):
+                raise self.disk.refusal(what, needed) from exc
+            raise
+        self._write_sizes[run.run_id, kind] = size
+        return size
 
     # --- residency: a run's state leaves its slot for the host tier while it has room, else for disk
     def park(self, run: RunState, to_disk: bool = False) -> bool:
@@ -306,7 +332,9 @@ class Executor:
         directory = self.layout.parked_dir(run.run_id)
         try:
             with self.progress.track("park run", run.tenant, run.run_id, writes=directory):
-                self.engine.save_state(slot, directory, owner_digest(run.tenant), with_gradients=True)
+                owner = owner_digest(run.tenant)
+                save = functools.partial(self.engine.save_state, slot, directory, owner, with_gradients=True)
+                self._write(run, "parked", f"park run {run.run_id}", save)
             self.engine.free_slot(slot)
         except Exception:
             log.exception("could not park run %s; it stays resident", run.run_id)
@@ -322,7 +350,9 @@ class Executor:
         directory = self.layout.parked_dir(run.run_id)
         try:
             with self.progress.track("park run", run.tenant, run.run_id, writes=directory):
-                self.engine.spill_offloaded(run.host_key, directory, owner_digest(run.tenant))
+                owner = owner_digest(run.tenant)
+                spill = functools.partial(self.engine.spill_offloaded, run.host_key, directory, owner)
+                self._write(run, "parked", f"park run {run.run_id}", spill)
         except Exception:
             log.exception("could not park run %s from host memory; it stays there", run.run_id)
             return False

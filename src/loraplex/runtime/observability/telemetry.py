@@ -116,6 +116,8 @@ class Occupancy:
     futures_pending: int = 0
     database_up: bool = True  # false while the database does not answer (control/store/outage.py)
     runs_on_host: int = 0  # runs whose state waits in host memory (the host tier, --host-slots)
+    data_dir_free_bytes: int = 0  # free space where checkpoints go (core/disk_space.py)
+    data_dir_reserve_bytes: int = 0  # the space saves leave free (--min-free-bytes)
 
 
 def queue_depths(occupancy: Occupancy) -> dict[str, int]:
@@ -182,6 +184,17 @@ class _OccupancyCollector:
             "loraplex_database_up",
             "1 while the database answers; 0 during an outage (requests wait, then get 503).",
             value=int(o.database_up),
+        )
+        yield GaugeMetricFamily(
+            "loraplex_data_dir_free_bytes",
+            "Free space in the data dir's filesystem; saves that would leave less than "
+            "loraplex_data_dir_reserve_bytes are refused.",
+            value=o.data_dir_free_bytes,
+        )
+        yield GaugeMetricFamily(
+            "loraplex_data_dir_reserve_bytes",
+            "Free space the data dir keeps for the database (--min-free-bytes).",
+            value=o.data_dir_reserve_bytes,
         )
 
 
