@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loraplex.runtime.core.disk_space import tree_bytes
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import client, new_run, sft_steps
 
@@ -37,17 +38,13 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
-def _tree_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
-
-
 def test_a_save_past_the_reserve_fails_alone_and_succeeds_once_space_is_freed(small_disk: Path) -> None:
     server = Server(small_disk / "data", ["--min-free-bytes", str(RESERVE)]).start()
     try:
         alice, bob = new_run(client(server), server, seed=1), new_run(client(server), server, seed=2)
         sft_steps(alice, 1)
         first = alice.save_state("first").result()
-        size = _tree_bytes(server.data_dir / "checkpoints" / alice.model_id / "weights" / "first")
+        size = tree_bytes(server.data_dir / "checkpoints" / alice.model_id / "weights" / "first")
         assert first.path.endswith("/weights/first") and size > 0
 
         # The disk fills (another program's file) until less than one more checkpoint fits above the reserve.
@@ -93,7 +90,7 @@ def test_a_save_that_runs_out_of_space_while_it_writes_fails_with_the_same_error
         alice, bob = new_run(client(server), server, seed=1), new_run(client(server), server, seed=2)
         sft_steps(alice, 1)
         alice.save_state("sizer").result()
-        size = _tree_bytes(server.data_dir / "checkpoints" / alice.model_id / "weights" / "sizer")
+        size = tree_bytes(server.data_dir / "checkpoints" / alice.model_id / "weights" / "sizer")
         filler = small_disk / "filler"
         with open(filler, "wb") as out:
             os.posix_fallocate(out.fileno(), 0, shutil.disk_usage(small_disk).free - size // 2)

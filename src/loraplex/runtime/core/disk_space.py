@@ -11,6 +11,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 
@@ -55,6 +57,18 @@ class DiskSpace:
         if free - needed < self.reserve_bytes:
             raise self.refusal(what, needed, free)
 
+    @contextmanager
+    def writing(self, what: str, needed: int) -> Iterator[None]:
+        """Around a write of about `needed` bytes: refused before it starts if it would cross the reserve
+        (`check`), and running out of space during it raised as the same user error."""
+        self.check(what, needed)
+        try:
+            yield
+        except Exception as exc:
+            if is_out_of_space(exc):
+                raise self.refusal(what, needed) from exc
+            raise
+
     def refusal(self, what: str, needed: int, free: int | None = None) -> DiskFullError:
         """The error of `what`, refused or failed for want of space."""
         free = self.free_bytes() if free is None else free
@@ -76,6 +90,11 @@ def is_out_of_space(error: BaseException | None) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def tree_bytes(directory: Path) -> int:
+    """Bytes of the files under `directory`."""
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
 
 def _size(nbytes: int) -> str:

@@ -34,7 +34,7 @@ from loraplex.runtime.core.commands import (
     SaveSnapshot,
     SaveState,
 )
-from loraplex.runtime.core.disk_space import DiskSpace, is_out_of_space
+from loraplex.runtime.core.disk_space import DiskSpace, tree_bytes
 from loraplex.runtime.core.duty import DURABLE, DutyMeter
 from loraplex.runtime.core.journal import (
     FORWARD,
@@ -298,14 +298,8 @@ class Executor:
         """`write` (returning the bytes it wrote), refused before it starts if the run's last write of this
         kind would not fit above the data dir's reserve; running out of space during it is the same user
         error, its partial files already removed."""
-        needed = self._write_sizes.get((run.run_id, kind), 0)
-        self.disk.check(what, needed)
-        try:
+        with self.disk.writing(what, self._write_sizes.get((run.run_id, kind), 0)):
             size = write()
-        except Exception as exc:
-            if is_out_of_space(exc):
-                raise self.disk.refusal(what, needed) from exc
-            raise
         self._write_sizes[run.run_id, kind] = size
         return size
 
@@ -500,8 +494,12 @@ class Executor:
             snapshot = job.request.snapshot
             if job.export_from is not None and snapshot is not None and not snapshot.exists():
                 source = self.layout.checkpoint_dir(job.export_from)
-                with self.progress.track(
-                    "export for sampler", job.tenant, str(job.export_from), reads=source, writes=snapshot
+                # The export holds the checkpoint's weights: less than the whole checkpoint, a safe bound.
+                with (
+                    self.disk.writing(f"export {job.export_from} for sampling", tree_bytes(source)),
+                    self.progress.track(
+                        "export for sampler", job.tenant, str(job.export_from), reads=source, writes=snapshot
+                    ),
                 ):
                     self.engine.export_snapshot(source, snapshot, job.export_owner)
             self.engine.add_sample(job.future_id, job.request)
