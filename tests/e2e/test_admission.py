@@ -26,6 +26,8 @@ from loraplex.cli import build_parser, check_exposure, config_from_args
 from loraplex.config import ServerConfig
 from loraplex.errors import UserError
 from tests.e2e.conftest import REPO, Server
+from tests.e2e.raw_http import memory_bytes, settled
+from tests.e2e.raw_http import new_run as new_http_run
 from tests.e2e.sdk import client, new_run, sft_steps
 
 KEY = {"X-API-Key": "tml-local"}
@@ -57,32 +59,16 @@ def names(http: httpx.Client) -> dict[str, Any]:
         "base_model": "loraplex/tiny",
         "lora_config": {"rank": 4},
     }
-    run = _settled(http, http.post("/create_model", json=body).json())["model_id"]
+    run = settled(http, http.post("/create_model", json=body).json())["model_id"]
     body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "loraplex/tiny"}
     sampler = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
     return {"run": run, "sampler": sampler, "seq_id": 1}
-
-
-def _settled(http: httpx.Client, future: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = http.post("/retrieve_future", json={"request_id": future["request_id"]}).json()
-        if result.get("type") != "try_again":
-            return result
-    raise TimeoutError(f"future {future['request_id']} did not settle in {timeout_s} s")
 
 
 def _chunks(total_bytes: int) -> Iterator[bytes]:
     """A body sent chunked: no Content-Length says how large it is."""
     for _ in range(total_bytes // 2**20):
         yield bytes(2**20)
-
-
-def _peak_rss_bytes(server: Server) -> int:
-    assert server.proc is not None
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
 
 
 def _sparse_targets(names: dict[str, Any], rows: int, width: int, num_tokens: int = 1) -> bytes:
@@ -109,20 +95,22 @@ def _zstd_bomb(total_bytes: int, declares_its_size: bool) -> bytes:
 def _forward_error(http: httpx.Client, body: bytes, headers: dict[str, str] | None = None) -> str:
     reply = http.post("/forward_backward", content=body, headers=headers or {})
     assert reply.status_code == 200, reply.text
-    result = _settled(http, reply.json())
+    result = settled(http, reply.json())
     assert result["category"] == "user"
     return result["error"]
 
 
 def test_a_chunked_body_over_its_routes_limit_is_refused_with_413_while_it_streams(http, server) -> None:
-    before = _peak_rss_bytes(server)
+    before = memory_bytes(server, "VmHWM")
     reply = http.post("/forward_backward", content=_chunks(200 * 2**20))
     assert reply.status_code == 413
     assert reply.json() == {
         "detail": f"request body of /api/v1/forward_backward is over {FORWARD_LIMIT} bytes, the limit of "
         "this server (set by --max-tokens-per-datum and --max-target-width)"
     }
-    assert _peak_rss_bytes(server) - before < 50 * MB  # the server kept none of the 200 MB past its limit
+    assert (
+        memory_bytes(server, "VmHWM") - before < 50 * MB
+    )  # the server kept none of the 200 MB past its limit
     assert http.get("/healthz").json()["status"] == "ok"  # the connection and the server carry on
 
 
@@ -132,7 +120,7 @@ def test_bombs_are_refused_and_leave_the_servers_peak_memory_within_50_mb(http, 
     run.forward_backward([_datum()], "cross_entropy").result()
     sampler = run.save_weights_and_get_sampling_client().result()
     sampler.sample(types.ModelInput.from_ints([1, 2, 3]), 2, types.SamplingParams(max_tokens=8)).result()
-    baseline = _peak_rss_bytes(server)
+    baseline = memory_bytes(server, "VmHWM")
 
     tall = "datum 0: loss_fn_inputs['target_tokens']: shape"
     assert _forward_error(http, _sparse_targets(names, 1, 10**12)).startswith(f"{tall} [1, 1000000000000] is")
@@ -162,7 +150,7 @@ def test_bombs_are_refused_and_leave_the_servers_peak_memory_within_50_mb(http, 
     kv = http.post("/asample", json={**asample, "num_samples": 16, "sampling_params": {"max_tokens": 4000}})
     assert kv.status_code == 400 and "(--max-sample-kv-mib)" in kv.json()["detail"]
 
-    growth = _peak_rss_bytes(server) - baseline
+    growth = memory_bytes(server, "VmHWM") - baseline
     assert growth < 50 * MB, f"peak RSS grew by {growth / MB:.1f} MB"
 
 
@@ -215,7 +203,7 @@ def _top_k_forward_backward(run: str, seq_id: int, datums: int) -> bytes:
 def test_healthz_answers_within_100_ms_while_a_100_mib_body_is_decoded(start_server) -> None:
     server = start_server("--long-poll-s", "1")  # the default limits: forward bodies up to about 131 MiB
     with httpx.Client(base_url=f"{server.base_url}/api/v1", headers=KEY, timeout=300) as http:
-        run = _new_run(http)
+        run = new_http_run(http)
         # seq_id 2 first: its pass waits for seq_id 1, so that the engine's work stays out of the window.
         body = _top_k_forward_backward(run, 2, datums=8)
         assert len(body) > 100 * 2**20
@@ -248,17 +236,6 @@ def test_healthz_answers_within_100_ms_while_a_100_mib_body_is_decoded(start_ser
         # Accepted: decoded, densified and validated; a refusal would be a failed future already.
         pending = http.post("/retrieve_future", json={"request_id": reply.json()["request_id"]}).json()
         assert pending["type"] == "try_again"
-
-
-def _new_run(http: httpx.Client) -> str:
-    session = http.post("/create_session", json={}).json()["session_id"]
-    body = {
-        "session_id": session,
-        "model_seq_id": 0,
-        "base_model": "loraplex/tiny",
-        "lora_config": {"rank": 4},
-    }
-    return _settled(http, http.post("/create_model", json=body).json())["model_id"]
 
 
 # --- who may reach the server

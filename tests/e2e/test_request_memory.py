@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
 from tests.e2e.conftest import Server
+from tests.e2e.raw_http import memory_bytes, new_run, settled
 
 KEY = {"X-API-Key": "tml-local"}
 MB = 10**6
@@ -34,26 +33,6 @@ def http(server: Server) -> Iterator[httpx.Client]:
         yield http
 
 
-def _settled(http: httpx.Client, future: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = http.post("/retrieve_future", json={"request_id": future["request_id"]}).json()
-        if result.get("type") != "try_again":
-            return result
-    raise TimeoutError(f"future {future['request_id']} did not settle in {timeout_s} s")
-
-
-def _new_run(http: httpx.Client) -> str:
-    session = http.post("/create_session", json={}).json()["session_id"]
-    body = {
-        "session_id": session,
-        "model_seq_id": 0,
-        "base_model": "loraplex/tiny",
-        "lora_config": {"rank": 4},
-    }
-    return _settled(http, http.post("/create_model", json=body).json())["model_id"]
-
-
 def _forward_body(run: str, seq_id: int, datums: int = DATUMS, tokens: int = TOKENS_PER_DATUM) -> bytes:
     """A forward_backward of `datums` datums of `tokens` tokens (by default about 10 MB on the wire)."""
     msg = pb.ForwardBackwardRequest(model_id=run, seq_id=seq_id, loss_fn="cross_entropy")
@@ -67,25 +46,18 @@ def _forward_body(run: str, seq_id: int, datums: int = DATUMS, tokens: int = TOK
     return msg.SerializeToString()
 
 
-def _rss_bytes(server: Server) -> int:
-    assert server.proc is not None
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-
 def _settled_rss_bytes(server: Server) -> int:
     """The server's RSS once the memory of the last answered request is handed back (the server does it
     on a worker thread after the answer is sent): its lowest of a few readings a tenth of a second apart."""
     readings = []
     for _ in range(10):
-        readings.append(_rss_bytes(server))
+        readings.append(memory_bytes(server, "VmRSS"))
         time.sleep(0.1)
     return min(readings)
 
 
 def test_refused_requests_leave_the_servers_memory_where_it_was(http: httpx.Client, server: Server) -> None:
-    run = _new_run(http)
+    run = new_run(http)
     far = _forward_body(run, 10**6)
     assert len(far) > 10 * MB
     http.post("/forward_backward", content=far)  # the refusal's own code paths, before the baseline
@@ -104,7 +76,7 @@ def test_requests_waiting_for_an_earlier_seq_id_are_bounded_in_bytes_and_the_res
     """Each request holds 2 × 1,024 tokens of int64 ids and targets once decoded (32,768 bytes, and its
     loss inputs): the run holds three while seq_id 1 is missing; the fourth is told to come again (429,
     Retry-After), and taken once the run has worked the others off."""
-    run = _new_run(http)
+    run = new_run(http)
     replies = [
         http.post("/forward_backward", content=_forward_body(run, seq, 2, 1024)) for seq in (2, 3, 4, 5)
     ]
@@ -115,7 +87,7 @@ def test_requests_waiting_for_an_earlier_seq_id_are_bounded_in_bytes_and_the_res
     assert "it expects seq_id 1 next" in detail
     first = http.post("/forward_backward", content=_forward_body(run, 1, 2, 1024))  # always taken
     futures = [first.json()] + [reply.json() for reply in replies[:3]]
-    results = [_settled(http, future) for future in futures]
+    results = [settled(http, future) for future in futures]
     assert all("loss_fn_outputs" in result for result in results), results
     resent = http.post("/forward_backward", content=_forward_body(run, 5, 2, 1024))
-    assert resent.status_code == 200 and "loss_fn_outputs" in _settled(http, resent.json())
+    assert resent.status_code == 200 and "loss_fn_outputs" in settled(http, resent.json())
