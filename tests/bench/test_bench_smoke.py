@@ -122,17 +122,23 @@ def test_sample_times_the_engine_with_adapters_the_base_model_and_hf_peft_on_the
     assert summary["command"].startswith("loraplex bench sample --model smoke")
 
 
-def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    started: list[launcher.Server] = []
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[launcher.Server]:
+    """The servers a benchmark starts, in order (to check that it stops them)."""
+    servers: list[launcher.Server] = []
     real_wait = launcher._wait_healthy
 
     def record(server: launcher.Server, timeout_s: float) -> None:
-        started.append(server)
+        servers.append(server)
         real_wait(server, timeout_s)
 
     monkeypatch.setattr(launcher, "_wait_healthy", record)
+    return servers
+
+
+def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
+    capsys: pytest.CaptureFixture[str], started: list[launcher.Server]
+) -> None:
     *rows, summary = run_json(["api", *FAST, "--slots", "2", "--tokens-per-slot", "6", "--rank", "2"], capsys)
 
     assert [r["config"] for r in rows] == ["sdk", "engine"]
@@ -145,16 +151,8 @@ def test_api_sends_the_train_workload_through_the_sdk_and_stops_its_server(
 
 
 def test_residency_trains_on_a_slot_per_run_the_host_tier_and_disk_and_stops_every_server(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], started: list[launcher.Server]
 ) -> None:
-    started: list[launcher.Server] = []
-    real_wait = launcher._wait_healthy
-
-    def record(server: launcher.Server, timeout_s: float) -> None:
-        started.append(server)
-        real_wait(server, timeout_s)
-
-    monkeypatch.setattr(launcher, "_wait_healthy", record)
     argv = ["residency", *FAST, "--slots", "4", "--tokens-per-slot", "6", "--rank", "2"]
     *rows, summary = run_json(argv, capsys)
 

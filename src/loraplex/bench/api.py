@@ -14,6 +14,7 @@ import argparse
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -137,20 +138,47 @@ def _engine_thread_figures(timings: Timings) -> dict[str, Stat]:
     return figures
 
 
+@dataclass(frozen=True)
+class SdkWorkload:
+    """What `bench api` and `bench residency` share: the device, the rounds, one run's shape and datums of
+    each of `shape.slots` runs, and the model the servers load."""
+
+    device: torch.device
+    rounds: int
+    shape: TrainShape
+    model_dir: Path
+    slot_datums: list[list[DatumInput]]
+
+    @classmethod
+    def prepare(cls, args: argparse.Namespace, scratch: Path) -> SdkWorkload:
+        """The workload `args` ask for, its model written under `scratch`."""
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        os.environ.setdefault("TINKER_TELEMETRY", "0")
+        device = resolve_device(args.device)
+        shape = TrainShape(args.slots, args.tokens_per_slot, args.rank, args.tokens_per_slot)
+        model_dir = prepare_model_dir(args.model, scratch, run_dtype(device), device)
+        vocab_size = int(report.read_json(model_dir / "config.json")["vocab_size"])
+        return cls(device, args.rounds or 5, shape, model_dir, make_slot_datums(shape, vocab_size))
+
+    def serve_args(self) -> list[str]:
+        """The `loraplex serve` options of the model (slots not included)."""
+        model = ["--model", str(self.model_dir), "--model-name", self.model_dir.name]
+        return [*model, "--device", self.device.type, "--max-rank", str(self.shape.rank)]
+
+
 def bench_api(args: argparse.Namespace) -> int:
     """Entry point of `bench api`: starts the server, prints per-round rows and the summary, stops it."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    device = resolve_device(args.device)
-    rounds = args.rounds or 5
-    shape = TrainShape(args.slots, args.tokens_per_slot, args.rank, args.tokens_per_slot)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch:
-        model_dir = prepare_model_dir(args.model, Path(scratch), run_dtype(device), device)
-        vocab_size = int(report.read_json(model_dir / "config.json")["vocab_size"])
-        slot_datums = make_slot_datums(shape, vocab_size)
-        serve_args = ["--model", str(model_dir), "--model-name", model_dir.name, "--device", device.type]
-        serve_args += ["--max-slots", str(shape.slots), "--max-rank", str(shape.rank)]
+        work = SdkWorkload.prepare(args, Path(scratch))
+        device, rounds, shape, model_dir, slot_datums = (
+            work.device,
+            work.rounds,
+            work.shape,
+            work.model_dir,
+            work.slot_datums,
+        )
+        serve_args = [*work.serve_args(), "--max-slots", str(shape.slots)]
         threads = torch.get_num_threads()
         with serve(serve_args, Path(scratch) / "data", threads, args.server_timeout_s) as server:
             engine = build_engine(model_dir, device, shape.slots, shape.rank)

@@ -99,7 +99,7 @@ def _wait_healthy(server: Server, timeout_s: float) -> None:
             tail = server.log.read_text(errors="replace")[-2000:]
             raise RuntimeError(f"loraplex serve exited with {server.proc.returncode}:\n{tail}")
         try:
-            if httpx.get(f"{server.base_url}/api/v1/healthz", timeout=1).json() == {"status": "ok"}:
+            if httpx.get(f"{server.base_url}/api/v1/healthz", timeout=1).json().get("status") == "ok":
                 return
         except httpx.HTTPError:
             pass

@@ -15,7 +15,6 @@ state went (loraplex_parks_total), say what the turns cost. Every server is alwa
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,12 +23,11 @@ from typing import Any
 import torch
 
 from loraplex.bench import report
-from loraplex.bench.api import SdkSteps
+from loraplex.bench.api import SdkSteps, SdkWorkload
 from loraplex.bench.launcher import Server, serve
 from loraplex.bench.timing import Stat, Timings, ratios, time_interleaved
 from loraplex.bench.train import run_dtype
-from loraplex.bench.workloads import TrainShape, make_slot_datums, prepare_model_dir
-from loraplex.engine.local import resolve_device
+from loraplex.bench.workloads import TrainShape
 
 _WARMUP = 1
 BASELINE = "slot_per_run"
@@ -63,18 +61,16 @@ def _summarize(shape: TrainShape, timings: Timings, parks: dict[str, dict[str, f
 def bench_residency(args: argparse.Namespace) -> int:
     """Entry point of `bench residency`: starts the three servers, prints per-round rows and the summary,
     stops them."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    os.environ.setdefault("TINKER_TELEMETRY", "0")
-    device = resolve_device(args.device)
-    rounds = args.rounds or 5
-    shape = TrainShape(args.slots, args.tokens_per_slot, args.rank, args.tokens_per_slot)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch, ExitStack() as servers:
-        model_dir = prepare_model_dir(args.model, Path(scratch), run_dtype(device), device)
-        vocab_size = int(report.read_json(model_dir / "config.json")["vocab_size"])
-        slot_datums = make_slot_datums(shape, vocab_size)
-        model_args = ["--model", str(model_dir), "--model-name", model_dir.name, "--device", device.type]
-        model_args += ["--max-rank", str(shape.rank)]
+        work = SdkWorkload.prepare(args, Path(scratch))
+        device, rounds, shape, model_dir, slot_datums = (
+            work.device,
+            work.rounds,
+            work.shape,
+            work.model_dir,
+            work.slot_datums,
+        )
+        model_args = work.serve_args()
         threads = torch.get_num_threads()
         started: dict[str, Server] = {
             name: servers.enter_context(
