@@ -26,6 +26,7 @@ from loraplex.model.kv_cache import DecodeStep
 from loraplex.model.lora_pool import LoRAPool
 from loraplex.model.multi_lora import LoRARouting, MultiLoRALinear
 from tests.engine.test_sampler import sample_all
+from tests.model.host_syncs import cuda_syncs_raise
 
 LENGTHS = (5, 17, 3, 40, 9, 2, 33, 12, 20)  # prompt lengths of the rows
 # The rows of each step, each step of another bucket than the step before or of other rows in the same one:
@@ -132,15 +133,6 @@ def _step(
     return engine.sampler._bucketed_step(rows, [7 * row % 250 for row in rows], snapshot_ids)
 
 
-@contextmanager
-def _cuda_syncs_raise() -> Iterator[None]:
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 @torch.no_grad()
 def _check_replays_equal_the_eager_steps(engine: LocalEngine, max_graphs: int) -> None:
     sampler = engine.sampler
@@ -184,7 +176,7 @@ def test_a_replay_of_a_captured_bucket_does_not_sync(eager: LocalEngine) -> None
         graphs.logits(*_step(eager, rows[:3], [-1] * 3))  # captured here, outside the check
         four_rows = [rows[0], rows[1], rows[2], rows[4]]  # the same bucket: 4 rows, span 32
         tokens_B, step, routing = _step(eager, four_rows, [-1] * 4)
-        with _cuda_syncs_raise():
+        with cuda_syncs_raise():
             logits_BV = graphs.logits(tokens_B, step, routing)
         assert len(graphs) == 1 and logits_BV.shape[0] == 4
     finally:

@@ -100,6 +100,16 @@ def host_syncs() -> Iterator[HostSyncs]:
         yield found
 
 
+@contextmanager
+def cuda_syncs_raise() -> Iterator[None]:
+    """torch's own check of every CUDA sync, as errors (the check on a GPU of what `host_syncs` finds)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 class _OpWatch(TorchDispatchMode):
     """The aten-level rules."""
 

@@ -13,8 +13,8 @@ confirms it (`test_on_cuda_nothing_syncs_but_the_deliberate_reads`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from loraplex.model.hf_checkpoint import load_decoder
 from loraplex.model.host_copy import to_device
 from loraplex.model.moe import count_ids
 from tests.engine.conftest import randomize_lora_b
-from tests.model.host_syncs import HostSyncs, host_syncs
+from tests.model.host_syncs import HostSyncs, cuda_syncs_raise, host_syncs
 from tests.model.test_decoder_parity import save_random_hf_model
 from tests.model.test_moe import moe_config
 
@@ -265,16 +265,6 @@ def test_the_sampler_steps_read_back_only_the_drawn_tokens(engine: LocalEngine, 
         assert aten.index_select.default in found.recorded_ops  # the decoder ran under the detector
 
 
-@contextmanager
-def _cuda_syncs_raise() -> Iterator[None]:
-    """torch's own check of every CUDA sync, as errors."""
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
 def _unchecked(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` with torch's sync check off while it runs."""
 
@@ -304,7 +294,7 @@ def test_on_cuda_nothing_syncs_but_the_deliberate_reads(
     # Unchecked first: what a process initialises once (cuBLAS handles, first launches) is not a pass's.
     _train(engine, "cross_entropy", nullcontext)
     for second_loss in ("importance_sampling", "gspo"):
-        assert _functions(_train(engine, second_loss, _cuda_syncs_raise)) <= set(READBACKS)
-    prefill, decode = _sample(engine, tmp_path / "snapshot", _cuda_syncs_raise)
+        assert _functions(_train(engine, second_loss, cuda_syncs_raise)) <= set(READBACKS)
+    prefill, decode = _sample(engine, tmp_path / "snapshot", cuda_syncs_raise)
     assert _functions(prefill) == {"generation.py:_read_back", "prompt_scores.py:score_prompt"}
     assert _functions(decode) == {"generation.py:_read_back"}
