@@ -4,12 +4,14 @@ copy written to disk is the state a parked slot's save_state writes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
-from loraplex.engine.local import LocalEngine
+from loraplex.engine.local import LocalEngine, build_local_engine
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig, PassRequest
 from loraplex.errors import CapacityError, NotFoundError
 
@@ -65,7 +67,16 @@ def fresh(engine: LocalEngine) -> LocalEngine:
 
 
 def test_a_slot_moved_to_host_and_back_holds_exactly_what_it_held_and_trains_on_bit_for_bit(fresh) -> None:
-    engine = fresh
+    _check_round_trip(fresh)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_copies_through_pinned_memory_on_a_side_stream_are_exact(tmp_path: Path) -> None:
+    """The CUDA path (pinned buffers, a side stream, the freed slot reused while the copy drains)."""
+    _check_round_trip(build_local_engine("tiny", tmp_path, "cuda", 4, 8, None))
+
+
+def _check_round_trip(engine: LocalEngine) -> None:
     twin, slot = _trained_slot(engine), _trained_slot(engine)
     before = _state(engine, slot)
     assert before["step"] == 1 and before["has_gradients"] and torch.count_nonzero(before["grads"]) > 0
