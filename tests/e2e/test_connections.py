@@ -105,4 +105,4 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(se
     with _connections(server, 1) as (sock,):
         sock.sendall(b"GET /api/v1/healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         answer = _read_until_closed(sock, time.monotonic() + TIMEOUT_S + SLACK_S)
-    assert answer.startswith(b"HTTP/1.1 200 OK") and answer.endswith(b'{"status":"ok"}')
+    assert answer.startswith(b"HTTP/1.1 200 OK") and b'{"status":"ok",' in answer
