@@ -66,7 +66,6 @@ def test_refused_requests_leave_the_servers_memory_where_it_was(http: httpx.Clie
         reply = http.post("/forward_backward", content=far)
         assert reply.status_code == 400 and "too far ahead" in reply.json()["detail"], reply.text
     grown = _settled_rss_bytes(server) - before
-    print(f"RSS grew {grown / MB:.1f} MB")
     assert grown < 20 * MB, f"RSS grew by {grown / MB:.1f} MB after 20 refused 10 MB requests"
 
 
