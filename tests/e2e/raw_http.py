@@ -22,9 +22,9 @@ def settled(http: httpx.Client, future: dict[str, Any], timeout_s: float = 120.0
     raise TimeoutError(f"future {future['request_id']} did not settle in {timeout_s} s")
 
 
-def new_run(http: httpx.Client) -> str:
-    """A rank-4 run of the tiny model in a new session; its next expected seq_id is 1."""
-    session = http.post("/create_session", json={}).json()["session_id"]
+def new_run(http: httpx.Client, session: str | None = None) -> str:
+    """A rank-4 run of the tiny model in `session` (a new one if None); its next expected seq_id is 1."""
+    session = session or http.post("/create_session", json={}).json()["session_id"]
     body = {
         "session_id": session,
         "model_seq_id": 0,

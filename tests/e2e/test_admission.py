@@ -53,13 +53,7 @@ def http(server: Server) -> Iterator[httpx.Client]:
 def names(http: httpx.Client) -> dict[str, Any]:
     """A run (next seq_id 1) and a base-model sampler of one session, made over plain HTTP."""
     session = http.post("/create_session", json={}).json()["session_id"]
-    body = {
-        "session_id": session,
-        "model_seq_id": 0,
-        "base_model": "loraplex/tiny",
-        "lora_config": {"rank": 4},
-    }
-    run = settled(http, http.post("/create_model", json=body).json())["model_id"]
+    run = new_http_run(http, session)
     body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": "loraplex/tiny"}
     sampler = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
     return {"run": run, "sampler": sampler, "seq_id": 1}

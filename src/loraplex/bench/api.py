@@ -166,33 +166,31 @@ class SdkWorkload:
         model = ["--model", str(self.model_dir), "--model-name", self.model_dir.name]
         return [*model, "--device", self.device.type, "--max-rank", str(self.shape.rank)]
 
+    def client(self, base_url: str) -> SdkSteps:
+        """An SDK client of the server at `base_url` that trains every run of the workload a step a call."""
+        return SdkSteps(base_url, self.model_dir.name, self.shape, self.slot_datums)
+
 
 def bench_api(args: argparse.Namespace) -> int:
     """Entry point of `bench api`: starts the server, prints per-round rows and the summary, stops it."""
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch:
         work = SdkWorkload.prepare(args, Path(scratch))
-        device, rounds, shape, model_dir, slot_datums = (
-            work.device,
-            work.rounds,
-            work.shape,
-            work.model_dir,
-            work.slot_datums,
-        )
+        shape = work.shape
         serve_args = [*work.serve_args(), "--max-slots", str(shape.slots)]
         threads = torch.get_num_threads()
         with serve(serve_args, Path(scratch) / "data", threads, args.server_timeout_s) as server:
-            engine = build_engine(model_dir, device, shape.slots, shape.rank)
-            sdk = SdkSteps(server.base_url, model_dir.name, shape, slot_datums)
-            runs: dict[str, Run] = {"sdk": sdk, "engine": DirectSteps(engine, shape, slot_datums)}
+            engine = build_engine(work.model_dir, work.device, shape.slots, shape.rank)
+            sdk = work.client(server.base_url)
+            runs: dict[str, Run] = {"sdk": sdk, "engine": DirectSteps(engine, shape, work.slot_datums)}
             probes = {
                 "server": server.cpu_seconds,
                 "server_threads": server.thread_cpu_seconds,
                 ENGINE_THREAD_PROBE: server.engine_thread_seconds,
             }
-            timings = time_interleaved(runs, rounds, _WARMUP, device, probes)
+            timings = time_interleaved(runs, work.rounds, _WARMUP, work.device, probes)
             sdk.close()
             # Each side alone: the server's own process, and this one (the direct engine and the SDK client).
             memory = {"server_peak_rss_mb": server.peak_rss_mb(), "process_peak_rss_mb": own_peak_rss_mb()}
-        context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
+        context = report.context(args, work.device, run_dtype(work.device), work.rounds, _WARMUP)
     report.emit_run(timings, shape.num_tokens, context, _summarize(shape, timings), memory, args.json)
     return 0

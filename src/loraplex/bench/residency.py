@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from loraplex.bench import report
-from loraplex.bench.api import SdkSteps, SdkWorkload
+from loraplex.bench.api import SdkWorkload
 from loraplex.bench.launcher import Server, serve
 from loraplex.bench.timing import Stat, Timings, ratios, time_interleaved
 from loraplex.bench.train import run_dtype
@@ -63,31 +63,26 @@ def bench_residency(args: argparse.Namespace) -> int:
     stops them."""
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as scratch, ExitStack() as servers:
         work = SdkWorkload.prepare(args, Path(scratch))
-        device, rounds, shape, model_dir, slot_datums = (
-            work.device,
-            work.rounds,
-            work.shape,
-            work.model_dir,
-            work.slot_datums,
-        )
-        model_args = work.serve_args()
+        shape = work.shape
         threads = torch.get_num_threads()
         started: dict[str, Server] = {
             name: servers.enter_context(
-                serve(model_args + flags(shape.slots), Path(scratch) / name, threads, args.server_timeout_s)
+                serve(
+                    work.serve_args() + flags(shape.slots),
+                    Path(scratch) / name,
+                    threads,
+                    args.server_timeout_s,
+                )
             )
             for name, flags in CONFIGS.items()
         }
-        clients = {
-            name: SdkSteps(server.base_url, model_dir.name, shape, slot_datums)
-            for name, server in started.items()
-        }
+        clients = {name: work.client(server.base_url) for name, server in started.items()}
         probes = {f"{name}_server": server.cpu_seconds for name, server in started.items()}
-        timings = time_interleaved(clients, rounds, _WARMUP, device, probes)
+        timings = time_interleaved(clients, work.rounds, _WARMUP, work.device, probes)
         for client in clients.values():
             client.close()
         parks = {name: server.metric("loraplex_parks_total", "to") for name, server in started.items()}
         memory = {f"{name}_server_peak_rss_mb": server.peak_rss_mb() for name, server in started.items()}
-        context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
+        context = report.context(args, work.device, run_dtype(work.device), work.rounds, _WARMUP)
     report.emit_run(timings, shape.num_tokens, context, _summarize(shape, timings, parks), memory, args.json)
     return 0
