@@ -91,6 +91,11 @@ class Gathering:
     max_wait_s: float = 0.1  # never hold a pass longer than this after it arrived
     active_s: float = 10.0  # a run that took part in a pass this recently is expected to send another
 
+    def settled_at(self, first_arrival: float, last_arrival: float) -> float:
+        """When a burst of requests that began and (so far) ended at these times is taken to be over:
+        `quiet_s` after the last, at most `max_wait_s` after the first."""
+        return min(last_arrival + self.quiet_s, first_arrival + self.max_wait_s)
+
 
 @dataclass
 class Scheduler:
@@ -170,7 +175,7 @@ class Scheduler:
         few milliseconds behind, and swap them back in for their work (twice the turns per step)."""
         last = max(entry.arrived_at for run in runs for entry in run.queue.ready())
         first = min(entry.arrived_at for run in waiting for entry in run.queue.ready()[:1])
-        return min(last + self.gathering.quiet_s, first + self.gathering.max_wait_s)
+        return self.gathering.settled_at(first, last)
 
     def _work(self, runs: list[RunState], now: float) -> list[Work]:
         """The next pass, or else the fused step and the barriers, over resident runs."""
@@ -210,7 +215,7 @@ class Scheduler:
         if not ready or not expected or sum(_tokens(e) for e in ready) >= self.token_budget:
             return False
         arrivals = [entry.arrived_at for entry in ready]
-        deadline = min(max(arrivals) + self.gathering.quiet_s, min(arrivals) + self.gathering.max_wait_s)
+        deadline = self.gathering.settled_at(min(arrivals), max(arrivals))
         if now >= deadline:
             return False
         self._wake(deadline)
