@@ -22,6 +22,7 @@ from loraplex.engine.types import (
     PassRequest,
     PassResult,
     SampleRequest,
+    SampleResult,
     SamplingParams,
 )
 from loraplex.errors import UserError
@@ -285,22 +286,35 @@ def test_sampling_spreads_over_the_ranks_and_each_answer_is_the_single_ranks(ran
     assert_same_samples(*outcomes)
 
 
-# Eight requests, greedy and seeded, of several prompt lengths and sample counts.
+# Eight requests, greedy and seeded, of several prompt lengths and sample counts; half of them stream.
 SAMPLE_REQUESTS = [
     SampleRequest(
         np.array([5, 9, 2, 44, 17, 3][: 2 + k % 5], np.int64),
         SamplingParams(max_tokens=4 + k % 3, temperature=0.0 if k % 2 else 1.0, seed=k),
         num_samples=1 + k % 2,
+        streams=k % 4 < 2,
     )
     for k in range(8)
 ]
 
 
 def drain_sampler(engine: Engine) -> dict[str, object]:
-    """Step `engine`'s sampler until it has no work; every finished request's result by key."""
-    finished = {}
+    """Step `engine`'s sampler until it has no work; every finished request's result by key. Each
+    streaming request's progress joins to its samples' tokens but the last (which finishes it)."""
+    finished: dict[str, object] = {}
+    reported: dict[str, list[list[int]]] = {}
     while engine.has_sampling_work():
         finished.update(engine.step_sampler())
+        for key, progress in engine.take_sample_progress().items():
+            so_far = reported.setdefault(key, [[] for _ in progress.tokens])
+            for tokens, new in zip(so_far, progress.tokens, strict=True):
+                tokens += new
+    for key, result in finished.items():
+        assert isinstance(result, SampleResult), result
+        if SAMPLE_REQUESTS[int(key[1:])].streams:
+            assert reported[key] == [sequence.tokens[:-1].tolist() for sequence in result.sequences]
+        else:
+            assert key not in reported
     return finished
 
 

@@ -16,6 +16,7 @@ from loraplex.engine.types import (
     PassRequest,
     PassResult,
     PreparedStep,
+    SampleProgress,
     SampleRequest,
     SampleResult,
 )
@@ -196,6 +197,12 @@ class Engine(ABC):
         """Forget the unfinished request `key`, waiting or generating: its sequences leave the batch and
         their KV cache rows are freed, and `step_sampler` never returns it. False if no unfinished request
         has that key (it finished, or was never added); nothing changes then."""
+
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        """The tokens each unfinished streaming request (`SampleRequest.streams`) drew since the last call,
+        by key; requests that drew nothing are left out, and so are finished ones, whose results hold every
+        token. An engine that reports no progress returns {}: its streams arrive whole, with the result."""
+        return {}
 
     @abstractmethod
     def has_sampling_work(self) -> bool:

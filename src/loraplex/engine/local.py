@@ -34,6 +34,7 @@ from loraplex.engine.types import (
     PassRequest,
     PassResult,
     PreparedStep,
+    SampleProgress,
     SampleRequest,
     SampleResult,
 )
@@ -334,6 +335,10 @@ class LocalEngine(Engine):
     def cancel_sample(self, key: str) -> bool:
         """Drop a waiting or generating sampling request (see sampler/generation.py)."""
         return self.sampler.cancel(key)
+
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        """The tokens streaming requests drew since the last call (see sampler/generation.py)."""
+        return self.sampler.take_progress()
 
     def drop_samples(self) -> None:
         """Drop every sampling request, as a failed `step_sampler` does (a peer's step failed)."""

@@ -108,6 +108,16 @@ class SampleRequest:
     target_prompt_ids: np.ndarray | None = None
     target_prompt_is_sparse: bool = False  # sent as sparse CSR; the engine hands it on to the result
     snapshot: Path | None = None  # a PEFT snapshot directory; None = the base model alone
+    streams: bool = False  # report the tokens drawn step by step (Engine.take_sample_progress)
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """What a streaming request's samples drew since its last report, per sample in order (a sample that
+    drew nothing, or has stopped, has empty lists)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
 
 
 @dataclass

@@ -27,13 +27,27 @@ def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     """An OpenAI error body with the error type OpenAI gives that status."""
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's `{"error": ...}` for a failure of that status."""
     if status == 429:
         kind = "requests"
         code = code or "rate_limit_exceeded"
     else:
         kind = "server_error" if status >= 500 else "invalid_request_error"
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def stream_error_body(error: Exception) -> dict:
+    """The error event of a stream that fails once started (its status has been sent): a user error says
+    what was wrong; anything else, like a 500, only the error id the log has it under."""
+    if isinstance(error, LoraplexError):
+        status = status_of(error)
+        if status < 500 or isinstance(error, CapacityError):  # capacity says what to wait for
+            return error_body(status, str(error))
+    return error_body(500, _logged(error))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -88,6 +102,11 @@ async def _unexpected_error(_request: Request, error: Exception) -> JSONResponse
 
 
 def _server_error(error: Exception) -> JSONResponse:
+    return error_response(500, _logged(error))
+
+
+def _logged(error: Exception) -> str:
+    """Log a server error under a new id; the message that names it."""
     error_id = uuid.uuid4().hex[:12]
     log.error("server error %s: %r", error_id, error, exc_info=error)
-    return error_response(500, f"internal server error (error id {error_id}; the server log has the details)")
+    return f"internal server error (error id {error_id}; the server log has the details)"

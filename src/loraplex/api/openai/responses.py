@@ -1,8 +1,10 @@
 """OpenAI's response bodies and stream chunks, built from the runtime's completions.
 
-A stream is sent once the completion is ready (the sampler hands back whole sequences), as OpenAI's chunks
-all the same: per choice a chunk per token, then one with its finish_reason; a usage chunk when
-stream_options.include_usage; then `data: [DONE]`. A choice's index is prompt index × n + sample index.
+A stream follows its generation's events (runtime/serving/streaming.py): per choice, a first chunk (the
+role, or the echoed prompt), a chunk per token as the sampler releases it, then one with its
+finish_reason; choices of different prompts and samples interleave as they are drawn. Then a usage chunk
+when stream_options.include_usage, and `data: [DONE]`. A failure after the stream has started is sent as
+an `{"error": ...}` event before `[DONE]`. A choice's index is prompt index × n + sample index.
 No tensors.
 """
 
@@ -11,12 +13,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+from loraplex.api.openai.errors import stream_error_body
 from loraplex.runtime.serving.completions import Choice, Completion, ScoredToken
+from loraplex.runtime.serving.streaming import ChoiceFinished, ChoiceStarted, StreamEvent, TokensDrawn
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,13 @@ def usage_json(completions: list[Completion]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def sse(chunks: Iterable[dict[str, Any]]) -> Iterator[str]:
-    """Server-sent events as OpenAI sends them."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
+async def sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events as OpenAI sends them; a failure midway is sent as an error event."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+    except Exception as error:  # the status is sent: the error goes in the stream, as OpenAI's does
+        yield f"data: {json.dumps(stream_error_body(error))}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -78,30 +85,31 @@ def completion_body(
     return envelope.wrap("text_completion", choices, usage=usage_json(completions))
 
 
-def completion_chunks(
-    envelope: Envelope, completions: list[Completion], logprobs: int | None, usage: bool
-) -> Iterator[dict[str, Any]]:
-    """The /v1/completions stream: an echoed prompt as one chunk, then a chunk per token."""
+async def completion_chunks(
+    envelope: Envelope, events: AsyncIterator[StreamEvent], logprobs: int | None, usage: bool
+) -> AsyncIterator[dict[str, Any]]:
+    """The /v1/completions stream: a choice's echoed prompt as one chunk, then a chunk per token."""
     extra = {"usage": None} if usage else {}
+    offsets: dict[int, int] = {}  # choice index -> where its next token's text starts
 
-    def chunk(
-        index: int, text: str, scored: tuple[ScoredToken, ...], offset: int, finish: str | None
-    ) -> dict:
-        lp = _completion_logprobs(scored, offset) if logprobs is not None and scored else None
+    def chunk(index: int, text: str, scored: tuple[ScoredToken, ...], finish: str | None) -> dict:
+        lp = _completion_logprobs(scored, offsets[index]) if logprobs is not None and scored else None
+        offsets[index] += len(text)
         body = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         return envelope.wrap("text_completion", [body], **extra)
 
-    for index, completion, choice in _indexed(completions):
-        offset = 0
-        if completion.prompt:
-            yield chunk(index, _text(completion.prompt), completion.prompt, 0, None)
-            offset = len(_text(completion.prompt))
-        for token in choice.tokens:
-            yield chunk(index, token.piece, (token,), offset, None)
-            offset += len(token.piece)
-        yield chunk(index, "", (), offset, choice.finish_reason)
-    if usage:
-        yield envelope.wrap("text_completion", [], usage=usage_json(completions))
+    async for event in events:
+        if isinstance(event, ChoiceStarted):
+            offsets[event.index] = 0
+            if event.prompt:
+                yield chunk(event.index, _text(event.prompt), event.prompt, None)
+        elif isinstance(event, TokensDrawn | ChoiceFinished):
+            for token in event.tokens:
+                yield chunk(event.index, token.piece, (token,), None)
+            if isinstance(event, ChoiceFinished):
+                yield chunk(event.index, "", (), event.finish_reason)
+        elif usage:
+            yield envelope.wrap("text_completion", [], usage=usage_json(event.completions))
 
 
 def _completion_logprobs(tokens: tuple[ScoredToken, ...], offset: int) -> dict[str, Any]:
@@ -130,9 +138,9 @@ def chat_body(envelope: Envelope, completions: list[Completion], logprobs: bool)
     return envelope.wrap("chat.completion", choices, usage=usage_json(completions))
 
 
-def chat_chunks(
-    envelope: Envelope, completions: list[Completion], logprobs: bool, usage: bool
-) -> Iterator[dict[str, Any]]:
+async def chat_chunks(
+    envelope: Envelope, events: AsyncIterator[StreamEvent], logprobs: bool, usage: bool
+) -> AsyncIterator[dict[str, Any]]:
     """The /v1/chat/completions stream: the role, a content delta per token, then the finish_reason."""
     extra = {"usage": None} if usage else {}
 
@@ -141,13 +149,16 @@ def chat_chunks(
         body = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return envelope.wrap("chat.completion.chunk", [body], **extra)
 
-    for index, _, choice in _indexed(completions):
-        yield chunk(index, {"role": "assistant", "content": ""}, (), None)
-        for token in choice.tokens:
-            yield chunk(index, {"content": token.piece}, (token,), None)
-        yield chunk(index, {}, (), choice.finish_reason)
-    if usage:
-        yield envelope.wrap("chat.completion.chunk", [], usage=usage_json(completions))
+    async for event in events:
+        if isinstance(event, ChoiceStarted):
+            yield chunk(event.index, {"role": "assistant", "content": ""}, (), None)
+        elif isinstance(event, TokensDrawn | ChoiceFinished):
+            for token in event.tokens:
+                yield chunk(event.index, {"content": token.piece}, (token,), None)
+            if isinstance(event, ChoiceFinished):
+                yield chunk(event.index, {}, (), event.finish_reason)
+        elif usage:
+            yield envelope.wrap("chat.completion.chunk", [], usage=usage_json(event.completions))
 
 
 def _chat_logprobs(tokens: tuple[ScoredToken, ...]) -> dict[str, Any]:

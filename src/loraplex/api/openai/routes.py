@@ -24,6 +24,7 @@ from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, Com
 from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.runtime.serving.completions import Completion
 from loraplex.runtime.serving.inference import InferenceService, ModelCard
+from loraplex.runtime.serving.streaming import LiveGeneration
 
 router = APIRouter(route_class=PooledJsonRoute)
 
@@ -39,12 +40,14 @@ async def list_models(inference: Inference, tenant: Tenant) -> dict[str, Any]:
 async def completions(
     body: CompletionRequest, inference: Inference, tenant: Tenant, request: Request
 ) -> dict[str, Any] | Response:
-    if (done := await _complete(request, inference, tenant, body)) is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
     envelope = Envelope.new("cmpl", body.model)
     if body.stream:
-        chunks = completion_chunks(envelope, done, body.logprobs, body.includes_usage)
+        if (live := await _start(request, inference, tenant, body)) is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        chunks = completion_chunks(envelope, live.events(), body.logprobs, body.includes_usage)
         return StreamingResponse(sse(chunks), media_type=_SSE)
+    if (done := await _complete(request, inference, tenant, body)) is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return completion_body(envelope, done, body.logprobs)
 
 
@@ -52,12 +55,14 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest, inference: Inference, tenant: Tenant, request: Request
 ) -> dict[str, Any] | Response:
-    if (done := await _complete(request, inference, tenant, body)) is None:
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
     envelope = Envelope.new("chatcmpl", body.model)
     if body.stream:
-        chunks = chat_chunks(envelope, done, body.logprobs, body.includes_usage)
+        if (live := await _start(request, inference, tenant, body)) is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        chunks = chat_chunks(envelope, live.events(), body.logprobs, body.includes_usage)
         return StreamingResponse(sse(chunks), media_type=_SSE)
+    if (done := await _complete(request, inference, tenant, body)) is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return chat_body(envelope, done, body.logprobs)
 
 
@@ -69,6 +74,18 @@ async def _complete(
 ) -> list[Completion] | None:
     """The body's completions, or None if the client went away first (its sampling is then cancelled)."""
     work = inference.complete(tenant, body.to_generation(inference.codec))
+    return await unless_disconnected(request.receive, work)
+
+
+async def _start(
+    request: Request,
+    inference: InferenceService,
+    tenant: str,
+    body: CompletionRequest | ChatCompletionRequest,
+) -> LiveGeneration | None:
+    """The body's generation once queued, to stream; None if the client went away first. A refusal is
+    raised here, before the response starts; once it streams, leaving the stream cancels it."""
+    work = inference.stream(tenant, body.to_generation(inference.codec))
     return await unless_disconnected(request.receive, work)
 
 

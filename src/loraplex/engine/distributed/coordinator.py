@@ -67,6 +67,7 @@ from loraplex.engine.types import (
     PassRequest,
     PassResult,
     PreparedStep,
+    SampleProgress,
     SampleRequest,
     SampleResult,
 )
@@ -117,6 +118,7 @@ class DistributedEngine(Engine):
             if all(group.hosts[rank] == group.hosts[0] for rank in group.ranks_of(dp_rank))
         ]
         self._sample_group: dict[str, int] = {}  # every queued or running sampling request's group
+        self._sample_progress: dict[str, SampleProgress] = {}  # streaming requests' tokens, not yet taken
         self._closing = threading.Event()
         self._exchange([Ping()] * group.world_size)
         self._watchdog = threading.Thread(target=self._watch, name="loraplex-rank-watchdog", daemon=True)
@@ -315,11 +317,21 @@ class DistributedEngine(Engine):
             replies = self._on_sampling_groups({group: StepSampler(max_prefill_tokens) for group in busy})
         except Exception:  # every sampler dropped every request (protocol.DropSamples): the caller fails them
             self._sample_group.clear()
+            self._sample_progress.clear()
             raise
-        finished = [outcome for group in busy for outcome in replies[group]]  # type: ignore[attr-defined]
+        finished: list[tuple[str, SampleResult | UserError]] = []
+        for group in busy:
+            group_finished, group_progress = replies[group]  # type: ignore[misc]
+            finished += group_finished
+            self._sample_progress.update(group_progress)
         for key, _ in finished:
             self._sample_group.pop(key, None)
         return finished
+
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        """The streaming requests' new tokens of the last sampler steps, from every sampling group."""
+        progress, self._sample_progress = self._sample_progress, {}
+        return progress
 
     def cancel_sample(self, key: str) -> bool:
         """Drop a request from the group sampling it; False if no group holds it."""

@@ -102,8 +102,8 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
         return engine.forget_offloaded(command.key)
     if isinstance(command, AddSample):
         return engine.add_sample(command.key, command.request)
-    if isinstance(command, StepSampler):
-        return engine.step_sampler(command.max_prefill_tokens)
+    if isinstance(command, StepSampler):  # the finished requests, and the streaming ones' new tokens
+        return engine.step_sampler(command.max_prefill_tokens), engine.take_sample_progress()
     if isinstance(command, CancelSample):
         return engine.cancel_sample(command.key)
     if isinstance(command, DropSamples):

@@ -46,7 +46,13 @@ from loraplex.engine.sampler.validation import (
     resolved_max_tokens,
     validate_sample_request,
 )
-from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
+from loraplex.engine.types import (
+    SampledSequence,
+    SampleProgress,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+)
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
 from loraplex.model.host_copy import to_device
@@ -75,6 +81,7 @@ class _Sequence:
     topk_ids: list[np.ndarray] = field(default_factory=list)  # per token, (topk_width,) int32
     topk_logprobs: list[np.ndarray] = field(default_factory=list)  # per token, (topk_width,) float32
     stop_reason: str | None = None  # "stop" or "length" once finished
+    reported: int = 0  # tokens a streaming request has been told of (take_progress)
 
     def to_result(self) -> SampledSequence:
         """The finished sample as plain arrays."""
@@ -189,6 +196,21 @@ class Sampler:
         if job.snapshot_id is not None:
             self.snapshots.release(job.snapshot_id)
         return True
+
+    def take_progress(self) -> dict[str, SampleProgress]:
+        """What each unfinished streaming request's samples drew since the last call (the tokens are already
+        on the host: `_draw` reads them back to check stops), by key; finished requests are not here."""
+        progress: dict[str, SampleProgress] = {}
+        for key, job in self._jobs.items():
+            if not job.request.streams or all(s.reported == len(s.tokens) for s in job.sequences):
+                continue
+            sequences = job.sequences
+            progress[key] = SampleProgress(
+                [s.tokens[s.reported :] for s in sequences], [s.logprobs[s.reported :] for s in sequences]
+            )
+            for sequence in job.sequences:
+                sequence.reported = len(sequence.tokens)
+        return progress
 
     def has_work(self) -> bool:
         """Whether a request is waiting or generating."""

@@ -12,7 +12,7 @@ whose clients can go away; the SDK has no cancel). No tensors, no HTTP.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from loraplex.engine.interface import Engine
@@ -23,7 +23,7 @@ from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store import SeqIdTakenError, Store
 from loraplex.runtime.control.store.schema import SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, owner_digest
-from loraplex.runtime.core.sampling import SampleJob, SampleRequest, SampleRoom
+from loraplex.runtime.core.sampling import SampleJob, SampleProgress, SampleRequest, SampleRoom
 from loraplex.runtime.core.state import SharedState
 from loraplex.timestamps import utcnow
 
@@ -113,14 +113,16 @@ class SamplerService:
         seq_id: int,
         request: SampleRequest,
         room: SampleRoom | None = None,
+        on_progress: Callable[[SampleProgress], None] | None = None,
     ) -> FutureRecord:
         """Queue an asample on one of the tenant's samplers; a resent (sampler, seq_id) gets its first future.
 
         Its samples are counted against the queue's limit now (SamplingBackpressureError, 429, which the
-        SDK resends, when too much sampling is queued), or taken from `room`, reserved beforehand.
+        SDK resends, when too much sampling is queued), or taken from `room`, reserved beforehand. With
+        `on_progress`, the engine thread calls it with the tokens of each step (SampleJob.on_progress).
         """
         sampler = self.catalog.sampler(tenant, sampler_id)
-        job_request = replace(request, snapshot=sampler.snapshot)
+        job_request = replace(request, snapshot=sampler.snapshot, streams=on_progress is not None)
         if (first := self.store.future_id_for(sampler_id, seq_id)) is not None:
             return self.futures.get(first, tenant)
         # A pending export has no snapshot on disk yet; everything else about the request is checked now.
@@ -142,7 +144,7 @@ class SamplerService:
                 if first is not None:
                     return self.futures.get(first, tenant)
             raise
-        job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner)
+        job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner, on_progress)
         with self.state.cond:
             self.state.samples.add(job, room)
             self.state.cond.notify_all()

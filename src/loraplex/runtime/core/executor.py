@@ -51,7 +51,7 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
-from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob
+from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob, SampleProgress
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.progress import ProgressBoard
@@ -89,6 +89,7 @@ class Executor:
         self.max_prefill_tokens = max_prefill_tokens
         self.host_slots = host_slots  # runs the host tier holds at most (--host-slots)
         self._on_host: set[str] = set()  # ids of the runs it holds
+        self._streams: dict[str, Callable[[SampleProgress], None]] = {}  # streaming samples: future -> sink
         self.disk = disk
         # Bytes each run's last write of each kind took: what its next one is expected to need.
         self._write_sizes: dict[tuple[str, str], int] = {}
@@ -503,6 +504,8 @@ class Executor:
                 ):
                     self.engine.export_snapshot(source, snapshot, job.export_owner)
             self.engine.add_sample(job.future_id, job.request)
+            if job.on_progress is not None:
+                self._streams[job.future_id] = job.on_progress
         except Exception as exc:
             self._finish_samples({job.future_id: exc})
 
@@ -526,12 +529,16 @@ class Executor:
             return
         elapsed_s = time.perf_counter() - start
         self._finish_samples(dict(finished))
+        for future_id, progress in self.engine.take_sample_progress().items():
+            if (on_progress := self._streams.get(future_id)) is not None:  # None: cancelled meanwhile
+                on_progress(progress)
         self.telemetry.record_sampler_step(elapsed_s, self.engine.usage())
 
     def _finish_samples(self, outcomes: dict[str, Outcome]) -> None:
         with self.state.cond:
             for future_id in outcomes:
                 self.state.samples.finish(future_id)
+                self._streams.pop(future_id, None)
         self.hand_over(Record(outcomes))
 
 

@@ -11,9 +11,16 @@ call. No tensors, no HTTP.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from loraplex.engine.types import SampledSequence, SampleRequest, SampleResult, SamplingParams
+from loraplex.engine.types import (
+    SampledSequence,
+    SampleProgress,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+)
 from loraplex.errors import CapacityError, UserError
 from loraplex.runtime.core.checkpoints import CheckpointPath
 
@@ -21,6 +28,7 @@ from loraplex.runtime.core.checkpoints import CheckpointPath
 __all__ = [
     "SampleCancelledError",
     "SampleJob",
+    "SampleProgress",
     "SampleQueue",
     "SampleRequest",
     "SampleResult",
@@ -66,6 +74,9 @@ class SampleJob:
     request: SampleRequest  # request.snapshot is set: the snapshot directory, or None for the base model
     export_from: CheckpointPath | None = None  # a training checkpoint to export into request.snapshot first
     export_owner: str = ""  # the owner digest stamped into export_from (the engine checks it)
+    # Called on the engine thread with each step's new tokens when request.streams (a /v1 stream): it must
+    # only hand them on, never block.
+    on_progress: Callable[[SampleProgress], None] | None = None
 
     @property
     def num_samples(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import partial
@@ -31,9 +32,16 @@ from loraplex.runtime.control.futures import FAILED, FutureRecord, FutureTable
 from loraplex.runtime.control.samplers import SamplerService
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
-from loraplex.runtime.core.sampling import SampleRequest, SampleResult, SampleRoom, SamplingParams
+from loraplex.runtime.core.sampling import (
+    SampleProgress,
+    SampleRequest,
+    SampleResult,
+    SampleRoom,
+    SamplingParams,
+)
 from loraplex.runtime.serving.completions import Choice, Completion, to_choice, to_prompt, with_top
 from loraplex.runtime.serving.queued import CLIENT_GONE, PART_FAILED, QueuedRequests
+from loraplex.runtime.serving.streaming import LiveGeneration, PromptStream
 from loraplex.runtime.serving.text_codec import TextCodec
 
 # What compute_logprobs sends: one token drawn at temperature 1 and ignored; only the prompt scores count.
@@ -161,8 +169,22 @@ class InferenceService:
         return str(path)
 
     # --- generation
-    async def complete(self, tenant: str, generation: Generation) -> list[Completion]:
-        """Every prompt's completion, in order; the prompts are sampled concurrently.
+    async def stream(self, tenant: str, generation: Generation) -> LiveGeneration:
+        """`complete` as a stream of events (streaming.py), returned once every prompt is queued: what
+        refuses the generation is raised here, before a response starts. Tokens are streamed as they are
+        drawn unless the generation scores them after sampling (then each choice arrives whole)."""
+        stop_strings = [s for s in generation.params.stop or () if isinstance(s, str)]
+        live = LiveGeneration(self.codec, generation.prompts, generation.n, stop_strings)
+        live.echo = generation.echo
+        live.streams_tokens = not generation.scores_prompt and not generation.top_logprobs
+        await live.start(partial(self.complete, tenant, generation))
+        return live
+
+    async def complete(
+        self, tenant: str, generation: Generation, live: LiveGeneration | None = None
+    ) -> list[Completion]:
+        """Every prompt's completion, in order; the prompts are sampled concurrently. With `live`, each
+        prompt's tokens and completion are handed to it as they come (`stream`).
 
         UserError (400) if the request needs more samples than the queue ever holds, and
         SamplingBackpressureError (429) if they do not fit now, both before anything is queued. If this
@@ -175,9 +197,12 @@ class InferenceService:
             for prompt in generation.prompts:
                 self._check_room_to_score(prompt, generation.params)
         queued = QueuedRequests(self.samplers, self.samplers.reserve(num_samples, tenant))
+        streams = [None if live is None else live.prompt(i) for i in range(len(generation.prompts))]
         tasks = [
-            asyncio.ensure_future(self._complete(tenant, model_path, codec, prompt, generation, queued))
-            for prompt in generation.prompts
+            asyncio.ensure_future(
+                self._complete(tenant, model_path, codec, prompt, generation, queued, stream)
+            )
+            for prompt, stream in zip(generation.prompts, streams, strict=True)
         ]
         try:
             completions = list(await asyncio.gather(*tasks))
@@ -216,6 +241,7 @@ class InferenceService:
         prompt: list[int],
         generation: Generation,
         queued: QueuedRequests,
+        stream: PromptStream | None,
     ) -> Completion:
         # max_tokens=0 has no Tinker form: one token is drawn, as compute_logprobs does, and dropped.
         params = generation.params if generation.is_sampled else replace(generation.params, max_tokens=1)
@@ -226,23 +252,26 @@ class InferenceService:
             prompt_logprobs=generation.scores_prompt,
             topk_prompt_logprobs=generation.top_logprobs if generation.scores_prompt else 0,
         )
-        result = await self._sample(tenant, model_path, request, queued)
+        result = await self._sample(tenant, model_path, request, queued, stream)
         echoed = (
             to_prompt(codec, prompt, result if generation.scores_prompt else None) if generation.echo else ()
         )
         if not generation.is_sampled:
-            choices = tuple(Choice("", (), "length") for _ in result.sequences)
-            return Completion(len(prompt), echoed, choices)
-        stop_strings = [s for s in params.stop or () if isinstance(s, str)]
-        choices = [to_choice(codec, sequence, stop_strings) for sequence in result.sequences]
-        if generation.top_logprobs:
+            choices = [Choice("", (), "length") for _ in result.sequences]
+        else:
+            stop_strings = [s for s in params.stop or () if isinstance(s, str)]
+            choices = [to_choice(codec, sequence, stop_strings) for sequence in result.sequences]
+        if generation.top_logprobs and generation.is_sampled:
             choices = await asyncio.gather(
                 *(
                     self._with_top(tenant, model_path, codec, prompt, c, generation.top_logprobs, queued)
                     for c in choices
                 )
             )
-        return Completion(len(prompt), echoed, tuple(choices))
+        completion = Completion(len(prompt), echoed, tuple(choices))
+        if stream is not None:
+            stream.done(completion)
+        return completion
 
     async def _with_top(
         self,
@@ -276,11 +305,20 @@ class InferenceService:
             )
 
     async def _sample(
-        self, tenant: str, model_path: str | None, request: SampleRequest, queued: QueuedRequests
+        self,
+        tenant: str,
+        model_path: str | None,
+        request: SampleRequest,
+        queued: QueuedRequests,
+        stream: PromptStream | None = None,
     ) -> SampleResult:
         """Queue `request` on the tenant's sampler of the model, with its generation's room, and wait for
-        its result."""
-        record = await asyncio.to_thread(queued.queue, partial(self._submit, tenant, model_path, request))
+        its result; with `stream`, tell it once queued, and hand it the tokens as they are drawn."""
+        on_progress = None if stream is None else stream.on_progress
+        submit = partial(self._submit, tenant, model_path, request, on_progress=on_progress)
+        record = await asyncio.to_thread(queued.queue, submit)
+        if stream is not None:
+            stream.queued()
         record = await self.futures.retrieve(tenant, record.id)
         while not record.is_done:
             record = await self.futures.retrieve(tenant, record.id)
@@ -291,26 +329,38 @@ class InferenceService:
         return record.result
 
     def _submit(
-        self, tenant: str, model_path: str | None, request: SampleRequest, room: SampleRoom
+        self,
+        tenant: str,
+        model_path: str | None,
+        request: SampleRequest,
+        room: SampleRoom,
+        on_progress: Callable[[SampleProgress], None] | None = None,
     ) -> FutureRecord:
         """Queue `request` on the tenant's sampler of the model, its samples taken from `room`."""
+        submit = partial(self._submit_to_sampler, tenant, model_path, request, room, on_progress)
         try:
-            return self._submit_to_sampler(tenant, model_path, request, room)
+            return submit()
         except NotFoundError:
             # Retention removes samplers unused for a while: a new one is made, once. A second miss means
             # the weights themselves are gone.
             try:
-                return self._submit_to_sampler(tenant, model_path, request, room)
+                return submit()
             except NotFoundError as exc:
                 raise ModelNotFoundError(model_path or self.base_model) from exc
 
     def _submit_to_sampler(
-        self, tenant: str, model_path: str | None, request: SampleRequest, room: SampleRoom
+        self,
+        tenant: str,
+        model_path: str | None,
+        request: SampleRequest,
+        room: SampleRoom,
+        on_progress: Callable[[SampleProgress], None] | None,
     ) -> FutureRecord:
         """One try on the tenant's sampler of the model; a sampler that is gone is forgotten."""
         sampler_id = self._sampler(tenant, model_path)
+        seq = next(self._sample_seqs)
         try:
-            return self.samplers.sample(tenant, sampler_id, next(self._sample_seqs), request, room)
+            return self.samplers.sample(tenant, sampler_id, seq, request, room, on_progress)
         except NotFoundError:
             with self._lock:
                 if self._samplers.get((tenant, model_path)) == sampler_id:

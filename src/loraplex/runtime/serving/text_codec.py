@@ -57,10 +57,14 @@ class TextCodec:
             return f"token_id:{token}"
         return self._tokenizer.decode([token], skip_special_tokens=False)
 
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A new incremental detokenizer: the text a growing sequence adds token by token, as `pieces`."""
+        return IncrementalDetokenizer(self._tokenizer)
+
     def pieces(self, tokens: Sequence[int]) -> list[str]:
         """The text each token adds to the sequence's text ("" while a character is incomplete); they join
         to the whole sequence's text."""
-        detokenizer = IncrementalDetokenizer(self._tokenizer)
+        detokenizer = self.detokenizer()
         pieces = [detokenizer.push(token) for token in tokens]
         # A sequence that ends inside a character: the held-back bytes decode with the last token.
         whole = self._tokenizer.decode(list(tokens), skip_special_tokens=False)
