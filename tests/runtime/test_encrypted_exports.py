@@ -15,6 +15,7 @@ from loraplex.runtime.core.checkpoints import CheckpointPath
 from loraplex.runtime.core.commands import CreateRunFromCheckpoint, SaveExternal
 from loraplex.runtime.core.encrypted_exports import parse_recipients
 from tests.age_keys import SSH_PUBLIC_KEY
+from tests.fakes import FakeEngine
 from tests.runtime.conftest import create_run, result_of, train_steps
 
 
@@ -27,14 +28,29 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+class _NoPlaintextEngine(FakeEngine):
+    """A fake engine that may not write snapshot files: an encrypted export must take them in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.may_write_snapshots = True
+
+    def save_snapshot(self, slot: int, directory: Path) -> int:
+        assert self.may_write_snapshots, f"plaintext snapshot files written to {directory}"
+        return super().save_snapshot(slot, directory)
+
+
 def test_an_encrypted_export_writes_only_ciphertext_that_decrypts_to_the_plain_exports_files(
     service_factory,
 ) -> None:
-    service = service_factory()
+    engine = _NoPlaintextEngine()
+    service = service_factory(engine)
     run = create_run(service)
     train_steps(service, run, 2)
     identity = pyrage.x25519.Identity.generate()
+    engine.may_write_snapshots = False
     record = _export(service, run, 5, "enc", (str(identity.to_public()),))
+    engine.may_write_snapshots = True
     plain = _export(service, run, 6, "plain", ())
     assert record.status == "complete" and plain.status == "complete"
     layout = service.layout
