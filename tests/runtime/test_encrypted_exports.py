@@ -120,3 +120,28 @@ def test_an_encrypted_export_cannot_be_loaded_or_sampled(service_factory) -> Non
     with pytest.raises(UserError, match="is encrypted to its age recipients"):
         command = CreateRunFromCheckpoint(CheckpointPath.parse(path), with_optimizer=False)
         service.training.create_run("local", session, 0, command)
+
+
+def test_an_export_whose_encryption_fails_midway_leaves_no_files_and_no_checkpoint(
+    service_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = service_factory()
+    run = create_run(service)
+    encrypted: list[bytes] = []
+    encrypt = pyrage.encrypt
+
+    def encrypt_once(data: bytes, recipients: list) -> bytes:
+        if encrypted:
+            raise pyrage.EncryptError("the second file fails")
+        encrypted.append(encrypt(data, recipients))
+        return encrypted[-1]
+
+    monkeypatch.setattr(pyrage, "encrypt", encrypt_once)
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
+    record = _export(service, run, 1, "enc", (recipient,))
+    assert record.category == "server"  # logged with its cause; the client gets the request id
+    assert len(encrypted) == 1  # one file was encrypted before the failure
+    parent = service.layout.checkpoint_dir(CheckpointPath(run, "external_weights", "enc")).parent
+    assert not parent.exists() or list(parent.iterdir()) == []
+    assert service.catalog.checkpoints("local", run) == []
+    assert train_steps(service, run, 1, first_seq=2)  # the run goes on
