@@ -11,6 +11,7 @@ the same requests give bit-identical results, and it learns, so loss curves mean
 from __future__ import annotations
 
 import copy
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -257,6 +258,10 @@ class FakeEngine(Engine):
         s = self.slots[slot]
         return _write(directory, s, "", {"A": s.A, "B": s.B})
 
+    def snapshot_files(self, slot: int) -> dict[str, bytes]:
+        s = self.slots[slot]
+        return _files(s, "", {"A": s.A, "B": s.B})
+
     def _read_meta(self, directory: Path) -> tuple[LoraConfig, dict]:
         try:
             meta = json.loads((directory / "meta.json").read_text())
@@ -374,9 +379,17 @@ def _state_arrays(s: _Slot, with_gradients: bool) -> dict[str, np.ndarray]:
 
 def _write(directory: Path, slot: _Slot, owner: str, arrays: dict[str, np.ndarray]) -> int:
     directory.mkdir(parents=True, exist_ok=True)
-    np.savez(directory / "state.npz", **arrays)
-    (directory / "meta.json").write_text(json.dumps({"config": asdict(slot.config), "owner": owner}))
+    for name, data in _files(slot, owner, arrays).items():
+        (directory / name).write_bytes(data)
     return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def _files(slot: _Slot, owner: str, arrays: dict[str, np.ndarray]) -> dict[str, bytes]:
+    """The fake's checkpoint and snapshot format, in memory: the arrays and a meta.json."""
+    npz = io.BytesIO()
+    np.savez(npz, **arrays)
+    meta = json.dumps({"config": asdict(slot.config), "owner": owner}).encode()
+    return {"state.npz": npz.getvalue(), "meta.json": meta}
 
 
 def _targets(target_tokens: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 # A hidden leftover of an interrupted write of directory NAME: its temp copy or the old version set aside.
@@ -62,6 +62,17 @@ def write_directory_atomically(directory: Path, write: Callable[[Path], None], r
         raise
     shutil.rmtree(aside, ignore_errors=True)
     return size
+
+
+def write_files_atomically(directory: Path, files: Mapping[str, bytes]) -> int:
+    """Write `files` (name -> contents, already in memory) as the flat directory `directory`, atomically
+    (`write_directory_atomically`); return bytes written."""
+
+    def write(tmp: Path) -> None:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+
+    return write_directory_atomically(directory, write)
 
 
 def tidy(directory: Path) -> None:

@@ -50,7 +50,7 @@ def _submit_then_train(http: TestClient, run: str, path: str, **kwargs: object) 
         (
             "save_weights_external",
             {"path": "x", "age_encryption_recipients": ["age1xyz"]},
-            r"save_weights_external with age_encryption_recipients is not supported by this server",
+            r"age_encryption_recipients\[0\] 'age1xyz' is not an age recipient",
         ),
         ("load_weights", {"path": "not-a-tinker-path"}, r"tinker://"),
     ],

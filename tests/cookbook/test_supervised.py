@@ -20,7 +20,6 @@ import tinker
 import torch
 from peft import PeftModel
 from tinker_cookbook import weights
-from tinker_cookbook.exceptions import WeightsDownloadError
 from tinker_cookbook.supervised.common import compute_mean_nll
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
@@ -129,18 +128,31 @@ def test_a_resumed_run_starts_at_the_saved_step_from_the_saved_weights(
     assert after[EPOCHS] == pytest.approx(expected, rel=1e-4)
 
 
-def test_weights_download_fetches_an_export_that_peft_loads_to_the_servers_logprobs(
-    cookbook: Cookbook, sl_run: Path, data_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kind", ["external_weights", "weights"])
+def test_weights_download_fetches_an_adapter_that_peft_loads_to_the_servers_logprobs(
+    cookbook: Cookbook,
+    sl_run: Path,
+    data_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
 ) -> None:
-    """The recipe's final weights, exported with save_weights_external and fetched by the cookbook's
-    `weights.download`, are a PEFT adapter that gives the server's logprobs of a training example."""
+    """The recipe's final weights, fetched by the cookbook's `weights.download`, are a PEFT adapter that gives
+    the server's logprobs of a training example: from an export saved with save_weights_external
+    (`external_weights`), or from the training checkpoint itself (`weights`), which the cookbook exports
+    encrypted to a key it generates, then decrypts."""
     server = cookbook.server
     (saved,) = checkpoints(sl_run)
     run = client(server).create_training_client_from_state(saved["state_path"]).result()
-    export = run.save_weights_external("cookbook-export").result().path
+    if kind == "external_weights":
+        tinker_path = run.save_weights_external("cookbook-export").result().path
+    else:
+        tinker_path = saved["state_path"]
     monkeypatch.setenv("TINKER_API_KEY", KEY)
     out_dir = Path(
-        weights.download(tinker_path=export, output_dir=str(tmp_path / "adapter"), base_url=server.base_url)
+        weights.download(
+            tinker_path=tinker_path, output_dir=str(tmp_path / "adapter"), base_url=server.base_url
+        )
     )
     assert sorted(p.name for p in out_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
 
@@ -155,16 +167,3 @@ def test_weights_download_fetches_an_export_that_peft_loads_to_the_servers_logpr
         logits = model(torch.tensor([tokens])).logits[0]
     peft = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), torch.tensor(targets)].numpy()
     np.testing.assert_allclose(peft, served, atol=1e-4)
-
-
-def test_weights_download_of_a_training_checkpoint_is_refused_for_its_encrypted_export(
-    cookbook: Cookbook, sl_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`weights.download` of a tinker://.../weights/... path exports it age-encrypted to a fresh key; this
-    server does not encrypt exports, so the cookbook fails with the server's reason."""
-    (saved,) = checkpoints(sl_run)
-    monkeypatch.setenv("TINKER_API_KEY", KEY)
-    with pytest.raises(WeightsDownloadError, match="age_encryption_recipients is not supported"):
-        weights.download(
-            tinker_path=saved["state_path"], output_dir=str(tmp_path), base_url=cookbook.server.base_url
-        )

@@ -200,6 +200,9 @@ def test_a_peft_snapshot_of_a_split_slot_is_the_single_rank_one(ranks, reference
             assert engine.save_snapshot(slots[2], tmp_path / name) > 0
         for file in sorted(p.name for p in (tmp_path / "one").iterdir()):
             assert (tmp_path / "tp" / file).read_bytes() == (tmp_path / "one" / file).read_bytes(), file
+        # Asked for them in memory (the source of an encrypted export), rank 0 answers the same files.
+        written = {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}
+        assert ranks.engine.snapshot_files(slots[2]) == written
 
 
 def test_sampling_groups_share_the_queue_and_draw_the_single_rank_tokens(ranks, reference, tmp_path) -> None:

@@ -1,11 +1,14 @@
 """save_weights_external and its download: the real `tinker checkpoint download` CLI fetches the export from
-URLs this server signs and serves; the files load in HF peft and give the server's own logprobs.
+URLs this server signs and serves; the files load in HF peft and give the server's own logprobs. Exports
+encrypted to age recipients: tinker-cookbook's `weights.download` decrypts one, every recipient can, and
+no plaintext reaches the data dir.
 
 One keyed server (--auth keys) for the module; alice exports, bob is the foreign tenant.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,18 +19,23 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pyrage
 import pytest
+import safetensors.torch
 import tinker
 import torch
 from peft import PeftModel
+from tinker_cookbook import weights
 from transformers import AutoModelForCausalLM
 
 from loraplex.runtime.control.downloads import DownloadSigner
-from loraplex.runtime.core.checkpoints import CheckpointPath
+from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
+from tests.age_keys import SSH_PRIVATE_KEY, SSH_PUBLIC_KEY
 from tests.e2e.conftest import REPO, Server
 from tests.e2e.sdk import PHRASE, client, create_key, logprobs, new_run, sft_steps
 
 ADAPTER_FILES = ["adapter_config.json", "adapter_model.safetensors"]
+AGE_FILES = [f"{name}.age" for name in ADAPTER_FILES]  # an encrypted export's, as the cookbook expects
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +132,110 @@ def test_urls_are_per_file_ranged_and_refused_to_other_tenants_and_when_expired(
     assert (server.data_dir / "secret.key").stat().st_mode & 0o777 == 0o600
 
 
-def test_an_encrypted_export_is_refused_and_the_run_goes_on(keyed: tuple[Server, dict[str, str]]) -> None:
+def test_cookbook_download_of_a_training_checkpoint_decrypts_an_adapter_that_gives_the_servers_logprobs(
+    keyed: tuple[Server, dict[str, str]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tinker_cookbook.weights.download, unmodified, on a tinker://.../weights/... path: it loads the
+    checkpoint into a new run, exports it encrypted to a key it generates, downloads the `.age` files,
+    decrypts them and deletes the export."""
+    server, keys = keyed
+    run = new_run(client(server, keys["alice"]), server, seed=11)
+    sft_steps(run, 3)
+    state = run.save_state("trained").result().path
+    served = logprobs(run)
+    monkeypatch.setenv("TINKER_API_KEY", keys["alice"])
+    out = Path(
+        weights.download(tinker_path=state, output_dir=str(tmp_path / "adapter"), base_url=server.base_url)
+    )
+    assert sorted(p.name for p in out.iterdir()) == ADAPTER_FILES
+    adapted, plain = peft_logprobs(server, out)
+    np.testing.assert_allclose(adapted, served, atol=1e-4)  # fp32 on both sides: rounding only
+    assert np.abs(plain - served).max() > 1e-2  # the adapter matters, so the match means something
+
+    exports = list((server.data_dir / "checkpoints").glob("*/external_weights/download"))
+    assert exports == []  # the cookbook deleted its temporary export
+    assert _plaintext_under(server.data_dir, (out / "adapter_model.safetensors").read_bytes()) == []
+
+
+def _plaintext_under(root: Path, safetensors_file: bytes) -> list[Path]:
+    """Files under `root` that hold the adapter's PEFT safetensors file (its header names every tensor the
+    PEFT way, so only a plaintext copy of this export matches; training checkpoints and parked runs hold
+    the same weights in their own format, as they must)."""
+    return [p for p in root.rglob("*") if p.is_file() and safetensors_file in p.read_bytes()]
+
+
+def _encrypted_export(
+    server: Server, key: str, name: str, recipients: list[str], seed: int
+) -> tuple[str, dict[str, bytes]]:
+    """A run's export encrypted to `recipients`, and its files as the signed URLs serve them."""
+    run = new_run(client(server, key), server, seed=seed)
+    sft_steps(run, 2)
+    saved = run.save_weights_external(name, age_encryption_recipients=recipients).result()
+    urls = _rest(server, key).get_external_weights_urls(saved.path).result().urls
+    served = {relpath: httpx.get(url).content for relpath, url in urls.items()}
+    listed = _rest(server, key).list_checkpoints(CheckpointPath.parse(saved.path).run_id).result()
+    (export,) = [c for c in listed.checkpoints if c.tinker_path == saved.path]
+    assert export.size_bytes == sum(len(data) for data in served.values())  # the ciphertext's size
+    return saved.path, served
+
+
+def test_an_encrypted_export_is_only_age_files_on_disk_and_no_plaintext_reaches_the_data_dir(
+    keyed: tuple[Server, dict[str, str]],
+) -> None:
+    server, keys = keyed
+    identity = pyrage.x25519.Identity.generate()
+    path, served = _encrypted_export(server, keys["alice"], "sealed", [str(identity.to_public())], seed=12)
+    assert sorted(served) == AGE_FILES
+    directory = DiskLayout(server.data_dir).checkpoint_dir(CheckpointPath.parse(path))
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == served
+    assert [p.name for p in directory.parent.iterdir()] == ["sealed"]  # no temporary copy left beside it
+    stranger = pyrage.x25519.Identity.generate()
+    for data in served.values():
+        assert data.startswith(b"age-encryption.org/v1\n")
+        with pytest.raises(pyrage.DecryptError):
+            pyrage.decrypt(data, [stranger])
+    plaintext = {name: pyrage.decrypt(data, [identity]) for name, data in served.items()}
+    assert json.loads(plaintext["adapter_config.json.age"])["r"] == 8
+    assert _plaintext_under(server.data_dir, plaintext["adapter_model.safetensors.age"]) == []
+
+
+def test_every_recipient_of_an_encrypted_export_decrypts_it(keyed: tuple[Server, dict[str, str]]) -> None:
+    server, keys = keyed
+    natives = [pyrage.x25519.Identity.generate() for _ in range(2)]
+    recipients = [str(i.to_public()) for i in natives] + [SSH_PUBLIC_KEY]
+    _, served = _encrypted_export(server, keys["bob"], "shared", recipients, seed=13)
+    identities = [*natives, pyrage.ssh.Identity.from_buffer(SSH_PRIVATE_KEY)]
+    for name, data in served.items():
+        decrypted = {pyrage.decrypt(data, [identity]) for identity in identities}
+        assert len(decrypted) == 1, name  # each recipient alone reads the same file
+    adapter = safetensors.torch.load(pyrage.decrypt(served["adapter_model.safetensors.age"], [identities[2]]))
+    assert len(adapter) > 0 and all(key.startswith("base_model.model.") for key in adapter)  # PEFT's names
+
+
+@pytest.mark.parametrize(
+    ("recipients", "message"),
+    [
+        (["age1abc"], r"age_encryption_recipients\[0\] 'age1abc' is not an age recipient"),
+        (["GOOD", "ssh-ed25519 AAAA"], r"age_encryption_recipients\[1\] 'ssh-ed25519 AAAA' is not an age"),
+        (["GOOD"] * 11, r"has 11 recipients; at most 10 are allowed"),
+    ],
+    ids=["malformed-age1", "malformed-ssh", "too-many"],
+)
+def test_a_bad_recipient_is_refused_naming_it_and_nothing_is_exported(
+    keyed: tuple[Server, dict[str, str]], recipients: list[str], message: str
+) -> None:
     server, keys = keyed
     run = new_run(client(server, keys["alice"]), server, seed=6)
-    refused = run.save_weights_external("enc", age_encryption_recipients=["age1abc"])
-    with pytest.raises(Exception, match="age_encryption_recipients is not supported"):
+    good = str(pyrage.x25519.Identity.generate().to_public())
+    refused = run.save_weights_external(
+        "enc", age_encryption_recipients=[good if r == "GOOD" else r for r in recipients]
+    )
+    with pytest.raises(tinker.RequestFailedError, match=message):
         refused.result()
-    assert len(sft_steps(run, 1)) == 1
+    assert not (server.data_dir / "checkpoints" / run.model_id).exists()  # nothing written for the run
+    listed = _rest(server, keys["alice"]).list_checkpoints(run.model_id).result().checkpoints
+    assert listed == []
+    assert len(sft_steps(run, 1)) == 1  # the run goes on
 
 
 def test_a_published_checkpoint_is_readable_by_other_tenants_until_unpublished(

@@ -81,9 +81,9 @@ REFUSALS: dict[str, tuple[Callable[[tinker.TrainingClient], object], str]] = {
         lambda run: run.forward_backward([sft_datum()], "ppo", {"clip_low_threshold": "low"}),
         "loss_fn_config['clip_low_threshold'] must be a number",
     ),
-    "encrypted save_weights_external": (
+    "malformed age recipient": (
         lambda run: run.save_weights_external("x", age_encryption_recipients=["age1xyz"]),
-        "save_weights_external with age_encryption_recipients is not supported by this server",
+        "age_encryption_recipients[0] 'age1xyz' is not an age recipient",
     ),
 }
 

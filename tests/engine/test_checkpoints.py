@@ -10,7 +10,7 @@ import torch
 
 from loraplex.engine.checkpoints import load_state, save_state
 from loraplex.engine.slots import SlotPool
-from loraplex.engine.snapshots import load_snapshot, save_snapshot
+from loraplex.engine.snapshots import load_snapshot, save_snapshot, slot_snapshot_files
 from loraplex.engine.types import AdamParams, LoraConfig
 from loraplex.errors import PermissionDeniedError, UserError
 from loraplex.model.hf_checkpoint import base_model_digest, load_decoder
@@ -303,6 +303,16 @@ def test_snapshot_keeps_the_weights_it_was_taken_with(decoder, pool, tmp_path):
             B_OR, taken[f"{path}.lora_B.weight"]
         )
     assert not torch.equal(snapshot.pairs["lm_head"][1], pool.get(slot).weights["lm_head.lora_B.weight"])
+
+
+def test_snapshot_files_in_memory_are_the_bytes_save_snapshot_writes_and_nothing_is_written(pool, tmp_path):
+    slot = pool.create(LoraConfig(rank=3, seed=4))
+    randomize_lora_b(pool.get(slot).weights, 0.05, torch.Generator().manual_seed(1))
+    files = slot_snapshot_files(pool, slot, base_model_name="tiny-qwen3")
+    assert list(tmp_path.iterdir()) == []
+    save_snapshot(pool, slot, tmp_path / "snap", base_model_name="tiny-qwen3")
+    on_disk = {p.name: p.read_bytes() for p in (tmp_path / "snap").iterdir()}
+    assert files == on_disk and sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
 
 
 @pytest.mark.parametrize(

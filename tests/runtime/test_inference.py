@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyrage
 import pytest
 
 from loraplex.errors import UserError
@@ -15,7 +16,7 @@ from loraplex.model.tiny import ensure_tiny_model
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.aliases import AliasTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
-from loraplex.runtime.core.commands import SaveSnapshot
+from loraplex.runtime.core.commands import SaveExternal, SaveSnapshot
 from loraplex.runtime.core.sampling import SampleRequest, SamplingBackpressureError, SamplingParams
 from loraplex.runtime.serving.inference import Generation, InferenceService, ModelNotFoundError
 from loraplex.runtime.serving.text_codec import TextCodec
@@ -279,3 +280,14 @@ def test_a_request_cancelled_before_the_engine_loop_takes_it_never_reaches_the_e
     done = result_of(service, record)
     assert (done.status, done.error, done.category) == ("failed", "cancelled: the client went away", "user")
     assert added == [] and service.state.samples.queued_samples == 0
+
+
+def test_an_encrypted_export_as_the_model_is_refused_saying_the_server_cannot_read_it(
+    service: Runtime, inference: InferenceService
+) -> None:
+    run = create_run(service)
+    recipient = str(pyrage.x25519.Identity.generate().to_public())
+    command = SaveExternal("sealed", age_recipients=(recipient,))
+    path = result_of(service, service.training.submit("local", run, 1, command)).result["path"]
+    with pytest.raises(UserError, match="is encrypted to its age recipients, so this server cannot read"):
+        _complete(inference, path)

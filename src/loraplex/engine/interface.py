@@ -173,6 +173,11 @@ class Engine(ABC):
     def save_snapshot(self, slot: int, directory: Path) -> int:
         """Write an immutable PEFT-format copy of the slot's weights atomically; return bytes written."""
 
+    @abstractmethod
+    def snapshot_files(self, slot: int) -> dict[str, bytes]:
+        """The files `save_snapshot` would write, in memory (file name -> contents); nothing is written, so
+        the caller decides what reaches the disk (an encrypted export writes only their ciphertext)."""
+
     # --- sampling: continuous batching, driven by the worker between training work
     @abstractmethod
     def validate_sample_request(self, request: SampleRequest) -> None:

@@ -318,6 +318,10 @@ class LocalEngine(Engine):
         """Immutable PEFT-format copy of the slot's weights."""
         return snapshots.save_snapshot(self.pool, slot, directory, self.info.model_name)
 
+    def snapshot_files(self, slot: int) -> dict[str, bytes]:
+        """The PEFT snapshot's files of the slot, in memory."""
+        return snapshots.slot_snapshot_files(self.pool, slot, self.info.model_name)
+
     def validate_sample_request(self, request: SampleRequest) -> None:
         """Raise UserError naming the field this model cannot serve (see sampler/validation.py)."""
         self.sampler.validate(request)

@@ -19,7 +19,7 @@ from typing import Any
 import safetensors.torch
 from torch import Tensor
 
-from loraplex.durable import write_directory_atomically
+from loraplex.durable import write_files_atomically
 from loraplex.engine.slots import SlotPool
 from loraplex.engine.types import LoraConfig
 from loraplex.errors import UserError
@@ -52,10 +52,17 @@ def save_snapshot(pool: SlotPool, slot: int, directory: Path, base_model_name: s
     """Write a PEFT-format copy of the slot's weights to `directory` atomically; return bytes written.
     Under tensor parallelism every rank of the group calls it (SlotPool.whole_state); rank 0 of it writes,
     the others return 0."""
+    files = slot_snapshot_files(pool, slot, base_model_name)
+    return write_files_atomically(Path(directory), files) if files else 0
+
+
+def slot_snapshot_files(pool: SlotPool, slot: int, base_model_name: str) -> dict[str, bytes]:
+    """The files of the slot's PEFT snapshot, in memory (file name -> contents), nothing written. Under
+    tensor parallelism every rank of the group calls it; rank 0 of it gets the files, the others {}."""
     weights, _, _ = pool.whole_state(slot, with_optimizer=False)
     if not pool.writes_files:
-        return 0
-    return write_snapshot(weights, pool.get(slot).config, directory, base_model_name)
+        return {}
+    return snapshot_files(weights, pool.get(slot).config, base_model_name)
 
 
 def write_snapshot(
@@ -63,6 +70,14 @@ def write_snapshot(
 ) -> int:
     """Write adapter weights (by PEFT name, as slots and checkpoints hold them) as a PEFT snapshot to
     `directory` atomically; return bytes written."""
+    return write_files_atomically(Path(directory), snapshot_files(weights, config, base_model_name))
+
+
+def snapshot_files(
+    weights: Mapping[str, Tensor], config: LoraConfig, base_model_name: str
+) -> dict[str, bytes]:
+    """Adapter weights (by PEFT name) as the bytes of a PEFT snapshot's files: serialised in memory, so that
+    a caller may encrypt them before anything reaches a disk."""
     peft_tensors, targets = to_peft(
         {name: t.detach().cpu() for name, t in weights.items()}, config.rank, config.alpha
     )
@@ -82,12 +97,10 @@ def write_snapshot(
         "use_dora": False,
         "inference_mode": True,
     }
-
-    def write(tmp: Path) -> None:
-        safetensors.torch.save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-
-    return write_directory_atomically(Path(directory), write)
+    return {
+        WEIGHTS_FILE: safetensors.torch.save(tensors, metadata={"format": "pt"}),
+        CONFIG_FILE: json.dumps(adapter_config, indent=2, sort_keys=True).encode(),
+    }
 
 
 def load_snapshot(directory: Path) -> Snapshot:

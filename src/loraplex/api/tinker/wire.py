@@ -39,6 +39,7 @@ from loraplex.runtime.core.commands import (
     SaveSnapshot,
     SaveState,
 )
+from loraplex.runtime.core.encrypted_exports import parse_recipients
 from loraplex.runtime.core.sampling import SampleRequest, SamplingParams
 
 
@@ -291,12 +292,9 @@ class SaveWeightsExternalRequest(WireModel):
     age_encryption_recipients: list[str] | None = None
 
     def to_command(self) -> SaveExternal:
-        if self.age_encryption_recipients:
-            raise UserError(
-                "save_weights_external with age_encryption_recipients is not supported by this server: "
-                "exports are stored unencrypted (the download URLs are signed per tenant and expire)"
-            )
-        return SaveExternal(self.path, self.ttl_seconds)
+        recipients = tuple(self.age_encryption_recipients or ())
+        parse_recipients(recipients)  # a recipient age cannot encrypt to is refused before anything runs
+        return SaveExternal(self.path, self.ttl_seconds, age_recipients=recipients)
 
 
 class RetrieveFutureRequest(WireModel):

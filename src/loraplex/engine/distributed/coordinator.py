@@ -49,6 +49,7 @@ from loraplex.engine.distributed.protocol import (
     SaveSnapshot,
     SaveState,
     Shutdown,
+    SnapshotFiles,
     SpillOffloaded,
     StepSampler,
     SyncSlot,
@@ -293,6 +294,12 @@ class DistributedEngine(Engine):
         self.local.pool.get(slot)  # NotFoundError before anything is sent
         return self._exchange([SaveSnapshot(slot, Path(directory))] * self._group.world_size)[0]  # type: ignore[return-value]
 
+    def snapshot_files(self, slot: int) -> dict[str, bytes]:
+        """Rank 0's PEFT snapshot files, in memory, of the first data-parallel group's parts."""
+        self._raise_if_failed()
+        self.local.pool.get(slot)  # NotFoundError before anything is sent
+        return self._exchange([SnapshotFiles(slot)] * self._group.world_size)[0]  # type: ignore[return-value]
+
     # --- sampling, on every data-parallel group on rank 0's machine
     def validate_sample_request(self, request: SampleRequest) -> None:
         """Rank 0 checks the request (snapshots are files; see LocalEngine)."""
@@ -503,6 +510,7 @@ _WHAT = {
     ApplyStep: "optimizer step",
     SaveState: "checkpoint save",
     SaveSnapshot: "snapshot save",
+    SnapshotFiles: "snapshot export",
     SpillOffloaded: "parking of a host copy",
     StepSampler: "sampling step",
 }

@@ -140,6 +140,14 @@ class SaveSnapshot:
 
 
 @dataclass(frozen=True)
+class SnapshotFiles:
+    """Answer `slot`'s PEFT snapshot files in memory: the first data-parallel group gathers its weights,
+    rank 0 serialises them and replies with the bytes (Engine.snapshot_files)."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
 class AddSample:
     """Queue a sampling request on the sampling group's samplers (LocalEngine.add_sample)."""
 
@@ -186,6 +194,7 @@ RankCommand = (
     | Rollback
     | SaveState
     | SaveSnapshot
+    | SnapshotFiles
     | OffloadSlot
     | RestoreSlot
     | SpillOffloaded
@@ -201,7 +210,16 @@ RankCommand = (
 # the whole back on every rank (take_back) and raises the error, or, where that cannot be done
 # (ApplyStep), fails the engine. A failed save changed no slot: there is nothing to take back (a failed
 # SpillOffloaded frees its slot on every rank, and every rank keeps its host copy).
-REPORTED = (RunPass, PrepareStep, ApplyStep, SaveState, SaveSnapshot, SpillOffloaded, StepSampler)
+REPORTED = (
+    RunPass,
+    PrepareStep,
+    ApplyStep,
+    SaveState,
+    SaveSnapshot,
+    SnapshotFiles,
+    SpillOffloaded,
+    StepSampler,
+)
 
 
 def take_back(command: RankCommand) -> RankCommand | None:

@@ -32,6 +32,7 @@ from loraplex.engine.distributed.protocol import (
     RunPass,
     SaveSnapshot,
     SaveState,
+    SnapshotFiles,
     SpillOffloaded,
     StepSampler,
     SyncSlot,
@@ -88,6 +89,8 @@ def execute(command: RankCommand, engine: LocalEngine, group: RankGroup) -> obje
         return save_state(engine, command, group)
     if isinstance(command, SaveSnapshot):
         return engine.save_snapshot(command.slot, command.directory) if group.dp_rank == 0 else None
+    if isinstance(command, SnapshotFiles):
+        return engine.snapshot_files(command.slot) if group.dp_rank == 0 else None
     if isinstance(command, SyncSlot):
         return sync_slot(engine, command, group)
     if isinstance(command, FreeSlot):

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.engine.types import LoraConfig
-from loraplex.errors import NotFoundError
+from loraplex.errors import NotFoundError, UserError
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import CheckpointRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
+from loraplex.runtime.core.encrypted_exports import is_encrypted
 from loraplex.timestamps import as_utc, utcnow
 
 
@@ -116,6 +117,17 @@ class Catalog:
         if row is None or (row.tenant != tenant and not row.public):
             raise NotFoundError(f"checkpoint {path} not found")
         return _checkpoint_view(row)
+
+    def loadable_checkpoint(self, tenant: str, path: CheckpointPath) -> CheckpointView:
+        """A checkpoint the tenant may read whose weights the server can read too, to load or sample them:
+        not an export encrypted to age recipients (the server holds no identity)."""
+        view = self.readable_checkpoint(tenant, path)
+        if is_encrypted(self._layout.checkpoint_dir(path)):
+            raise UserError(
+                f"{path} is encrypted to its age recipients, so this server cannot read its weights; load "
+                "or sample the training checkpoint (weights/) or a sampler checkpoint it was made from"
+            )
+        return view
 
     def readable_run(self, tenant: str, path: CheckpointPath) -> RunView:
         """The run behind a checkpoint the tenant may read (weights_info of a published checkpoint)."""

@@ -53,7 +53,7 @@ class SamplerService:
             self.catalog.sampler(tenant, existing.id)
             return sampler_id
         if model_path is not None:
-            self.catalog.readable_checkpoint(tenant, CheckpointPath.parse(model_path))
+            self.catalog.loadable_checkpoint(tenant, CheckpointPath.parse(model_path))
         elif base_model is not None:
             served = self.engine.info.model_name
             if base_model.split(":")[0] != served.split(":")[0]:

@@ -318,7 +318,7 @@ class TrainingService:
 
     def _source_owner(self, tenant: str, source: CheckpointPath, with_optimizer: bool) -> str:
         """The owner digest of a checkpoint the tenant may load (its own, or a published one)."""
-        view = self.catalog.readable_checkpoint(tenant, source)
+        view = self.catalog.loadable_checkpoint(tenant, source)
         if with_optimizer and source.kind != "weights":
             raise UserError(
                 f"{source} holds no optimizer state; load it without the optimizer or use a weights/ path"

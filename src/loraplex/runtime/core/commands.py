@@ -112,11 +112,13 @@ class SaveSnapshot:
 
 @dataclass(frozen=True)
 class SaveExternal:
-    """save_weights_external: a downloadable PEFT export of the adapter (tinker://run/external_weights/name)."""
+    """save_weights_external: a downloadable PEFT export of the adapter (tinker://run/external_weights/name),
+    encrypted to `age_recipients` when there are any (runtime/core/encrypted_exports.py)."""
 
     name: str
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
+    age_recipients: tuple[str, ...] = ()  # empty: a plaintext export
 
     request_type = "SaveWeightsExternal"
 

@@ -36,6 +36,7 @@ from loraplex.runtime.core.commands import (
 )
 from loraplex.runtime.core.disk_space import DiskSpace, tree_bytes
 from loraplex.runtime.core.duty import DURABLE, DutyMeter
+from loraplex.runtime.core.encrypted_exports import parse_recipients, write_encrypted
 from loraplex.runtime.core.journal import (
     FORWARD,
     FORWARD_BACKWARD,
@@ -253,7 +254,7 @@ class Executor:
         if isinstance(cmd, SaveExternal | SaveSnapshot) and cmd.name is not None:
             kind = "external_weights" if isinstance(cmd, SaveExternal) else "sampler_weights"
             path = CheckpointPath(run.run_id, kind, cmd.name)
-            return self._save(run, path, cmd, future_id, lambda d: self.engine.save_snapshot(slot, d))
+            return self._save(run, path, cmd, future_id, self._snapshot_writer(slot, cmd))
         if isinstance(cmd, SaveSnapshot) and cmd.sampler_id is not None:
             directory = self.layout.snapshot_dir(cmd.sampler_id)
             if directory.exists():  # the control plane checked the sampler id; this catches a copy in flight
@@ -294,6 +295,17 @@ class Executor:
         if path.kind == "external_weights":
             result["size_bytes"] = size
         return Record({future_id: result}, [saved], written=None if existed else directory)
+
+    def _snapshot_writer(self, slot: int, cmd: SaveSnapshot | SaveExternal) -> Callable[[Path], int]:
+        """How a named snapshot reaches its directory: written by the engine, or, for an export encrypted to
+        age recipients, serialised in memory and only its ciphertext written (the plaintext never touches
+        the disk)."""
+        if isinstance(cmd, SaveExternal) and cmd.age_recipients:
+            # Checked when the request came (api/tinker/wire.py); a UserError here would still come before
+            # anything is written.
+            recipients = parse_recipients(cmd.age_recipients)
+            return lambda d: write_encrypted(d, self.engine.snapshot_files(slot), recipients)
+        return lambda d: self.engine.save_snapshot(slot, d)
 
     def _write(self, run: RunState, kind: str, what: str, write: Callable[[], int]) -> int:
         """`write` (returning the bytes it wrote), refused before it starts if the run's last write of this
