@@ -144,13 +144,31 @@ class FutureQueries(StoreBase):
             for *values, created, completed in rows
         ]
 
-    def recent_futures(self, tenants: Sequence[str], limit: int) -> list[FutureRow]:
-        """The newest futures of the given tenants, newest first: each tenant's newest through the
-        (tenant, created_at) index, merged."""
+    def recent_futures(
+        self,
+        tenants: Sequence[str],
+        limit: int,
+        run_id: str | None = None,
+        request_type: str | None = None,
+        status: str | None = None,
+    ) -> list[FutureRow]:
+        """The newest futures of the given tenants, newest first, of one run (or sampler), request type and
+        status where given: each tenant's newest, merged. A run's are found through the (run_id, seq_id)
+        index, the others through (tenant, created_at) read newest first (schema.py FutureRow says why
+        type and status have no index of their own)."""
+        where = [
+            column == value
+            for column, value in (
+                (FutureRow.run_id, run_id),
+                (FutureRow.request_type, request_type),
+                (FutureRow.status, status),
+            )
+            if value is not None
+        ]
         rows: list[FutureRow] = []
         with self._session() as s:
             for tenant in dict.fromkeys(tenants):
-                query = select(FutureRow).where(FutureRow.tenant == tenant)
+                query = select(FutureRow).where(FutureRow.tenant == tenant, *where)
                 rows += s.scalars(query.order_by(FutureRow.created_at.desc()).limit(limit))
         return sorted(rows, key=lambda row: as_utc(row.created_at), reverse=True)[:limit]
 
