@@ -75,7 +75,7 @@ def y_axis(values: Sequence[float], domain: Domain, is_log: bool = False) -> Axi
         return _log_axis(low, high, domain)
     pad = (high - low) * _PAD if high > low else abs(low) / 2 or 1.0
     step = nice_step((high - low) + 2 * pad, Y_TICKS - 1)
-    bottom, top = math.floor((low - pad) / step) * step, math.ceil((high + pad) / step) * step
+    bottom, top = _tidy(math.floor((low - pad) / step) * step), _tidy(math.ceil((high + pad) / step) * step)
     if domain.low is not None and low >= domain.low:
         bottom = max(bottom, domain.low)
     if domain.high is not None and high <= domain.high:
@@ -98,7 +98,7 @@ def nice_step(span: float, count: int) -> float:
     """The smallest of 1, 2 or 5 times a power of ten that splits `span` into at most about `count` steps."""
     raw = span / max(count, 1)
     magnitude = 10.0 ** math.floor(math.log10(raw))
-    return next(m * magnitude for m in (1.0, 2.0, 5.0, 10.0) if raw <= m * magnitude * (1 + 1e-9))
+    return next(_tidy(m * magnitude) for m in (1.0, 2.0, 5.0, 10.0) if raw <= m * magnitude * (1 + 1e-9))
 
 
 def _ticks(low: float, high: float, step: float) -> tuple[float, ...]:
@@ -108,6 +108,7 @@ def _ticks(low: float, high: float, step: float) -> tuple[float, ...]:
 
 
 def _tidy(value: float) -> float:
+    """`value` to 12 significant digits: float steps read as the round numbers they stand for."""
     return float(f"{value:.12g}")
 
 
