@@ -4,8 +4,11 @@ combined, each tenant's newest first, on SQLite and on PostgreSQL. Another tenan
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from loraplex.runtime.control.store import Batch, FutureOutcome, Store
 from loraplex.runtime.control.store.schema import FutureRow
@@ -80,3 +83,33 @@ def test_an_admins_filtered_list_merges_each_tenants_matches(filled: Store) -> N
 def test_the_limit_keeps_the_newest_matches(filled: Store) -> None:
     found = filled.recent_futures(["alice"], 2, request_type="ForwardBackward")
     assert [row.id for row in found] == ["req-4", "req-3"]
+
+
+def test_every_filter_reads_an_index_newest_first_without_scanning_or_sorting_the_table(
+    tmp_path: Path,
+) -> None:
+    """SQLite's plan of each query the store runs: a run's requests through the (run_id, seq_id) index,
+    the rest through (tenant, created_at); never a scan of the table or a sort of its rows."""
+    store = Store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    statements: list[tuple[str, Any]] = []
+
+    def keep(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.lstrip().startswith("SELECT futures."):
+            statements.append((statement, parameters))
+
+    for run, kind, status in CASES:
+        statements.clear()
+        sa.event.listen(sa.Engine, "before_cursor_execute", keep)
+        try:
+            store.recent_futures(["alice"], 100, run_id=run, request_type=kind, status=status)
+        finally:
+            sa.event.remove(sa.Engine, "before_cursor_execute", keep)
+        ((statement, parameters),) = statements  # one query per tenant
+        with store._engine.connect() as connection:
+            plan = [
+                row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)
+            ]
+        # sqlite_autoindex_futures_2: the index of the (run_id, seq_id) unique constraint
+        index = "sqlite_autoindex_futures_2 (run_id=?)" if run else "ix_futures_tenant_created (tenant=?)"
+        assert plan == [f"SEARCH futures USING INDEX {index}"], (run, kind, status)
+    store.close()
