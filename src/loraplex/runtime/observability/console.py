@@ -202,7 +202,7 @@ class Console:
 
     def compare(self, viewer: Viewer, run_ids: list[str]) -> Comparison:
         """Runs the viewer may see (each once, in the order given) and their metric histories, metric by
-        metric; an id it may not see answers like a missing one, before anything is read."""
+        metric; an id it may not see answers like a missing one, before any history is read."""
         run_ids = list(dict.fromkeys(run_ids))
         if not run_ids:
             raise UserError("no run to compare: tick runs on the runs page, or name them as ?run=ID&run=ID")
