@@ -4,12 +4,22 @@ worked out by hand (or by pandas) in the comments, not by the code under test.""
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from loraplex.api.console.axes import FRACTION, NON_NEGATIVE, UNBOUNDED, metric_domain, nice_step, y_axis
+from loraplex.api.console.axes import (
+    DOMAIN_RULES,
+    FRACTION,
+    NON_NEGATIVE,
+    UNBOUNDED,
+    metric_domain,
+    nice_step,
+    y_axis,
+)
 from loraplex.api.console.charts import Trace, metric_chart
 from loraplex.api.console.smoothing import smooth
 
@@ -141,3 +151,11 @@ def test_a_log_scale_is_refused_with_a_note_for_values_at_or_below_0() -> None:
     assert taken.get("data-scale") == "log"
     # log axis 0.1 .. 1: y = 12 + (1 - (log10 v + 1)) * 180; 0.1 -> 192, 0.3 -> 106.1, 0.2 -> 137.8
     assert _lines(taken)["run-a"] == "64.0,192.0 346.0,106.1 628.0,137.8"
+
+
+def test_the_domain_table_in_the_docs_lists_the_rules_the_charts_apply() -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "METRICS.md").read_text()
+    rows = re.findall(r"^\| (first|last|any) words? (.+?) \| (\[0, 1\]|≥ 0) \|", docs, flags=re.M)
+    documented = [(where, frozenset(re.findall(r"`([a-z]+)`", words)), bound) for where, words, bound in rows]
+    bounds = {FRACTION: "[0, 1]", NON_NEGATIVE: "≥ 0"}
+    assert documented == [(where, names, bounds[domain]) for where, names, domain in DOMAIN_RULES]
