@@ -116,7 +116,7 @@ def test_a_tenant_sees_its_run_and_a_loss_chart_with_one_point_per_step(console:
     page = console.get(f"/console/runs/{console.run}", alice)
     assert page.status_code == 200
     assert _loss_points(page.text) == STEPS
-    assert page.text.count('<circle class="point"') == 3 * STEPS  # loss, grad_norm, learning_rate
+    assert page.text.count('<circle class="point series-0"') == 3 * STEPS  # loss, grad_norm, learning_rate
     assert _loss_points(console.get(f"/console/runs/{console.run}?fragment=1", alice).text) == STEPS
 
 
@@ -153,7 +153,7 @@ def test_an_admin_key_is_its_own_tenants_key_through_the_api(console: Console) -
 
 def test_the_requests_page_shows_status_and_latency(console: Console) -> None:
     html = console.get("/console/requests", console.sign_in("alice")).text
-    assert html.count("ForwardBackward") == STEPS and "complete" in html
+    assert html.count("<td>ForwardBackward</td>") == STEPS and "complete" in html
     assert re.search(r'<td class="num">\d+ ms</td>', html)
 
 

@@ -95,7 +95,8 @@ def test_a_whole_session_over_http_never_touches_the_database_on_the_loop_or_und
         assert http.get("/v1/aliases", headers=key).json()["data"] == [{"object": "alias", **alias}]
         assert http.delete("/v1/aliases/sft/latest", headers=key).status_code == 200
         assert http.post("/console/login", data={"key": key["X-API-Key"]}).status_code == 200  # to runs
-        for page in ("runs", f"runs/{run}", "samplers", "requests", "server"):
+        pages = ("runs", f"runs/{run}", f"compare?run={run}", "samplers", f"requests?run={run}", "server")
+        for page in pages:
             assert http.get(f"/console/{page}").status_code == 200
     assert violations == []
 

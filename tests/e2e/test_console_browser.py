@@ -3,7 +3,8 @@ Selenium, against a real `loraplex serve --auth keys` that an official-SDK clien
 
 The browser signs in with the trainer's key, finds the run on the runs page, opens it and sees a loss
 chart with exactly one point per step, which grows by itself when the client trains on; with another
-tenant's key the run is neither listed nor opened by its URL; an admin key lists it. A screenshot of each
+tenant's key the run is neither listed nor opened by its URL; an admin key lists it. Ticking two runs on
+the runs page and submitting shows both runs' curves on one chart per metric. A screenshot of each
 page is taken; with LORAPLEX_SCREENSHOTS=docs/console they are the README's pictures (that is how they
 were made). CI installs chromium and chromium-driver (.ci/run); without them the test skips, except
 under CI, where it fails.
@@ -180,5 +181,51 @@ def test_a_tenant_follows_its_run_in_the_console_and_another_tenant_cannot_see_i
 
     _sign_in(browser, server, ops_key)
     WebDriverWait(browser, _WAIT_S).until(lambda b: run_id in _run_links(b))
-    owner = browser.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{run_id}"] td:nth-child(2)').text
+    owner = browser.find_element(By.CSS_SELECTOR, f'tr[data-run-id="{run_id}"] td.owner').text
     assert owner == "alice"
+
+
+def _tick(browser: webdriver.Chrome, run_id: str) -> None:
+    """Tick the run's box on the runs page, again if a refresh replaced it between finding and clicking."""
+
+    def tick(b: webdriver.Chrome) -> bool:
+        box = b.find_element(By.CSS_SELECTOR, f'input[name="run"][value="{run_id}"]')
+        if not box.is_selected():
+            box.click()
+        return box.is_selected()
+
+    WebDriverWait(browser, _WAIT_S, ignored_exceptions=(StaleElementReferenceException,)).until(tick)
+
+
+def test_ticking_two_runs_and_submitting_overlays_their_loss_curves_on_one_chart(
+    start_server: Callable[..., Server], browser: webdriver.Chrome, screenshot: Callable[[str], Path]
+) -> None:
+    server = start_server("--auth", "keys")
+    key = create_key(server.data_dir, "alice")
+    alice = client(server, key)
+    first = alice.create_lora_training_client(base_model=base_model(server), rank=8, seed=1).result()
+    second = alice.create_lora_training_client(base_model=base_model(server), rank=8, seed=2).result()
+    losses = {
+        first.model_id: sft_steps(first, STEPS),
+        second.model_id: sft_steps(second, STEPS, sft_datum([40, 2, 33, 19, 6, 27, 11, 4])),
+    }
+    assert losses[first.model_id] != losses[second.model_id]
+
+    _sign_in(browser, server, key)
+    WebDriverWait(browser, _WAIT_S).until(lambda b: set(losses) <= set(_run_links(b)))
+    for run_id in losses:
+        _tick(browser, run_id)
+    browser.find_element(By.CSS_SELECTOR, "form.compare button[type=submit]").click()
+    WebDriverWait(browser, _WAIT_S).until(lambda b: "/console/compare?" in b.current_url)
+    assert all(f"run={run_id.replace(':', '%3A')}" in browser.current_url for run_id in losses)
+
+    chart = browser.find_element(By.CSS_SELECTOR, LOSS_CHART)
+    curves = chart.find_elements(By.CSS_SELECTOR, "svg polyline.line")
+    shown = [c.get_attribute("data-run") for c in curves]  # in the runs list's order, newest first
+    assert sorted(shown) == sorted(losses)
+    heights = [[float(xy.split(",")[1]) for xy in c.get_attribute("points").split()] for c in curves]
+    assert [len(h) for h in heights] == [STEPS, STEPS] and heights[0] != heights[1]
+    legend = [li.text for li in chart.find_elements(By.CSS_SELECTOR, "ul.legend li")]
+    assert legend == shown
+    assert curves[0].value_of_css_property("stroke") != curves[1].value_of_css_property("stroke")
+    screenshot("compare")

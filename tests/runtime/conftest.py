@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +16,7 @@ from loraplex.config import ServerConfig
 from loraplex.engine.types import AdamParams, DatumInput, LoraConfig
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.futures import FutureRecord
+from loraplex.runtime.control.store import Store
 from loraplex.runtime.core.commands import CreateRun, ForwardBackward, OptimStep
 from tests.fakes import FakeEngine
 
@@ -27,6 +29,22 @@ def make_service(data_dir: Path, engine: FakeEngine | None = None, **config: Any
     service = Runtime.open(engine or FakeEngine(), cfg)
     service.start()
     return service
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """An empty store on each supported database (a test module may define its own `store` instead)."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    else:
+        from tests.e2e.postgres import create_database
+
+        url = create_database(
+            request.getfixturevalue("postgres_url_prefix"), f"store_{uuid.uuid4().hex[:12]}"
+        )
+    opened = Store(url)
+    yield opened
+    opened.close()
 
 
 @pytest.fixture

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
-import pytest
+import sqlalchemy as sa
 
 from loraplex.cli import main
 from loraplex.engine.types import LoraConfig, PassResult
@@ -22,25 +21,9 @@ from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.journal import FORWARD_BACKWARD, MetricsRecorded, Record
-from loraplex.runtime.observability.history import MetricHistory
+from loraplex.runtime.observability.history import LatestValue, MetricHistory
 from loraplex.timestamps import utcnow
 from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """An empty store on each supported database."""
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    else:
-        from tests.e2e.postgres import create_database
-
-        url = create_database(
-            request.getfixturevalue("postgres_url_prefix"), f"history_{uuid.uuid4().hex[:12]}"
-        )
-    opened = Store(url)
-    yield opened
-    opened.close()
 
 
 def _series(history: MetricHistory, run_id: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -196,3 +179,44 @@ def _add_history(store: Store, run_id: str, steps: int) -> None:
         for step in range(1, steps + 1)
     ]
     store.write_batch(Batch(metrics=rows, last_steps={run_id: steps}))
+
+
+def test_the_newest_values_of_a_page_of_runs_come_from_each_runs_newest_record_of_each_kind_in_one_query(
+    store: Store,
+) -> None:
+    now = utcnow()
+    for run_id in ("a:train:0", "b:train:0", "c:train:0"):
+        _add_run(store, run_id, last_request_at=now)
+    _add_history(store, "a:train:0", 3)
+    _add_history(store, "b:train:0", 2)
+    losses = [
+        {
+            "run_id": "a:train:0",
+            "seq_id": 100 + step,
+            "step": step,
+            "kind": FORWARD_BACKWARD,
+            "metrics": json.dumps({"loss:sum": 10.0 - step, "clip_fraction:mean": 0.25}),
+            "recorded_at": now,
+        }
+        for step in (1, 2, 3, 4)
+    ]
+    store.write_batch(Batch(metrics=losses))
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    sa.event.listen(sa.Engine, "before_cursor_execute", count)
+    try:
+        latest = MetricHistory(store).latest(["a:train:0", "b:train:0", "c:train:0"])
+    finally:
+        sa.event.remove(sa.Engine, "before_cursor_execute", count)
+    assert len(statements) == 1
+    assert latest == {
+        "a:train:0": [
+            LatestValue(FORWARD_BACKWARD, "loss:sum", 4, 6.0),
+            LatestValue(FORWARD_BACKWARD, "clip_fraction:mean", 4, 0.25),
+            LatestValue("optim_step", "grad_norm", 3, 3.0),
+        ],
+        "b:train:0": [LatestValue("optim_step", "grad_norm", 2, 2.0)],
+    }

@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
-from loraplex.api.console.charts import line_chart
+from loraplex.api.console.charts import compared_chart, line_chart
 from loraplex.runtime.control.keys import Viewer
 
 HERE = Path(__file__).parent
@@ -60,14 +60,25 @@ def _number(value: float) -> str:
     return f"{value:,.1f}" if value < 1000 else f"{value:,.0f}"
 
 
+def _lead(text: str, chars: int = 160) -> str:
+    """The start of `text` up to the last whole word within `chars`, with an ellipsis if cut."""
+    if len(text) <= chars:
+        return text
+    head = text[:chars]
+    if not text[chars].isspace():  # the cut falls inside a word: leave that word out
+        words = head.rsplit(None, 1)
+        head = words[0] if len(words) == 2 else head  # a single word longer than `chars` has no better cut
+    return head.rstrip() + " …"
+
+
 _env = Environment(
     loader=FileSystemLoader(HERE / "templates"),
     autoescape=select_autoescape(default=True, default_for_string=True),
     trim_blocks=True,
     lstrip_blocks=True,
 )
-_env.filters.update(bytes=_bytes, time=_time, duration=_duration, ttl=_ttl, number=_number)
-_env.globals.update(line_chart=line_chart)
+_env.filters.update(bytes=_bytes, time=_time, duration=_duration, ttl=_ttl, number=_number, lead=_lead)
+_env.globals.update(line_chart=line_chart, compared_chart=compared_chart)
 
 
 def render_fragment(template: str, **context: Any) -> str:

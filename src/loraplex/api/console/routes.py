@@ -11,6 +11,7 @@ waits on the database. Pages carry a strict Content-Security-Policy: script and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
@@ -20,9 +21,16 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from loraplex.api.console.pages import HERE, render_fragment, render_login, render_page
-from loraplex.errors import AuthenticationError, NotFoundError
+from loraplex.errors import AuthenticationError, NotFoundError, UserError
 from loraplex.runtime.control.keys import ConsoleLogins, KeyReadLimitError, Viewer
-from loraplex.runtime.observability.console import PAGE_ROWS, Console
+from loraplex.runtime.observability.console import (
+    MAX_COMPARED,
+    PAGE_ROWS,
+    REQUEST_STATUSES,
+    REQUEST_TYPES,
+    Console,
+    RequestFilter,
+)
 
 router = APIRouter(prefix="/console")
 
@@ -102,7 +110,7 @@ async def runs(request: Request, offset: int = 0) -> Response:
 
     def load(console: Console, viewer: Viewer) -> dict[str, Any]:
         found, total = console.runs(viewer, PAGE_ROWS, offset)
-        return {"runs": found, "total": total, "offset": offset, "limit": PAGE_ROWS}
+        return {"runs": found, "total": total, "offset": offset, "limit": PAGE_ROWS, "most": MAX_COMPARED}
 
     return await _page(request, "runs.html", "Runs", "runs", 3000, load)
 
@@ -115,6 +123,23 @@ async def run(request: Request, run_id: str) -> Response:
     return await _page(request, "run.html", run_id, "runs", 3000, load)
 
 
+@router.get("/compare", include_in_schema=False)
+async def compare(request: Request) -> Response:
+    """Runs' metrics overlaid, chart by chart: ?run=A&run=B, optionally smoothing=W (in [0, 1)) and
+    scale=log."""
+    params = request.query_params
+
+    def load(console: Console, viewer: Viewer) -> dict[str, Any]:
+        smoothing = _smoothing(params.get("smoothing", ""))
+        scale = params.get("scale", "linear")
+        if scale not in ("linear", "log"):
+            raise UserError(f"scale {scale!r} is not one of linear, log")
+        comparison = console.compare(viewer, params.getlist("run"))
+        return {"comparison": comparison, "smoothing": smoothing, "is_log": scale == "log"}
+
+    return await _page(request, "compare.html", "Compare runs", "runs", None, load)
+
+
 @router.get("/samplers", include_in_schema=False)
 async def samplers(request: Request) -> Response:
     def load(console: Console, viewer: Viewer) -> dict[str, Any]:
@@ -125,8 +150,16 @@ async def samplers(request: Request) -> Response:
 
 @router.get("/requests", include_in_schema=False)
 async def requests(request: Request) -> Response:
+    params = request.query_params
+    chosen = RequestFilter(
+        run=params.get("run") or None,
+        request_type=params.get("type") or None,
+        status=params.get("status") or None,
+    )
+
     def load(console: Console, viewer: Viewer) -> dict[str, Any]:
-        return {"requests": console.requests(viewer)}
+        found = console.requests(viewer, chosen)
+        return {"requests": found, "chosen": chosen, "types": REQUEST_TYPES, "statuses": REQUEST_STATUSES}
 
     return await _page(request, "requests.html", "Requests", "requests", 3000, load)
 
@@ -140,7 +173,7 @@ async def server(request: Request) -> Response:
 
 
 async def _page(
-    request: Request, template: str, title: str, section: str, refresh_ms: int, load: Load
+    request: Request, template: str, title: str, section: str, refresh_ms: int | None, load: Load
 ) -> Response:
     """Check the sign-in, load and render a page (or, with ?fragment=1, its body) on a worker thread."""
     logins: ConsoleLogins = request.app.state.logins
@@ -156,7 +189,11 @@ async def _page(
         try:
             context = load(console, viewer)
         except NotFoundError as error:
-            template_, title_, context, status = "not_found.html", "Not found", {"message": str(error)}, 404
+            title_, status = "Not found", 404
+            template_, context = "refused.html", {"heading": title_, "message": str(error)}
+        except UserError as error:  # a bad query parameter: the page says which; nothing was read
+            title_, status = "Cannot show that", 400
+            template_, context = "refused.html", {"heading": title_, "message": str(error)}
         else:
             template_, title_, status = template, title, 200
         if fragment:
@@ -170,3 +207,16 @@ async def _page(
         return RedirectResponse("/console/login", status_code=303, headers=_HEADERS)
     status, html = result
     return HTMLResponse(html, status_code=status, headers=_HEADERS)
+
+
+def _smoothing(text: str) -> float:
+    """The compare page's smoothing weight: a number in [0, 1); empty is 0 (none)."""
+    if not text.strip():
+        return 0.0
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = math.nan
+    if not 0.0 <= weight < 1.0:  # also refuses nan
+        raise UserError(f"smoothing {text!r}: a number from 0 (none) up to, not including, 1")
+    return weight

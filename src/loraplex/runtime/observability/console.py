@@ -10,29 +10,36 @@ database or the data directory: call it from a worker thread. No tensors, no HTT
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.types import LoraConfig
-from loraplex.errors import NotFoundError
+from loraplex.errors import NotFoundError, UserError
 from loraplex.runtime.control.catalog import Catalog, CheckpointView
 from loraplex.runtime.control.downloads import URL_LIFETIME_S, DownloadSigner
 from loraplex.runtime.control.keys import LOCAL_TENANT, Viewer
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import FutureRow, RunRow, SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout
-from loraplex.runtime.observability.history import MetricHistory, MetricSeries
+from loraplex.runtime.core.commands import Command
+from loraplex.runtime.observability.history import LatestValue, MetricHistory, MetricSeries, series_order
 from loraplex.runtime.observability.progress import Progress, ProgressBoard
 from loraplex.runtime.observability.server_snapshot import ServerSnapshot
 from loraplex.runtime.observability.telemetry import Telemetry
 from loraplex.timestamps import as_utc
 
-# Most rows a list page shows; most points a chart draws per kind of request.
+# Most rows a list page shows; most points a chart draws per kind of request; most runs one comparison
+# overlays (each gets its own colour, and a chart of more curves is hard to read).
 PAGE_ROWS = 100
 CHART_POINTS = 1000
-_ERROR_CHARS = 300
+MAX_COMPARED = 8
+# What the requests page filters by: the request types futures are recorded under, and their statuses.
+REQUEST_TYPES = tuple(sorted({kind.request_type for kind in typing.get_args(Command)} | {"Sample"}))
+REQUEST_STATUSES = ("pending", "complete", "failed")
+_MAX_ID_CHARS = 200  # as wide as the run_id column
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class RunSummary:
     created_at: datetime
     last_request_at: datetime
     last_step: int | None  # optimizer steps taken; None before the first
+    latest: tuple[LatestValue, ...] = ()  # its newest metric values (the runs page); () elsewhere
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,42 @@ class RunDetail:
 
 
 @dataclass(frozen=True)
+class ComparedMetric:
+    """One metric across the compared runs: each run's series of it, None for a run without it."""
+
+    kind: str
+    name: str
+    series: tuple[MetricSeries | None, ...]  # in the order of Comparison.runs
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The compare page: runs, and every metric any of them has."""
+
+    runs: list[RunSummary]
+    metrics: list[ComparedMetric]
+
+
+@dataclass(frozen=True)
+class RequestFilter:
+    """Which requests the requests page lists: of one run (or sampler), request type and status, where
+    given."""
+
+    run: str | None = None
+    request_type: str | None = None
+    status: str | None = None
+
+    def check(self) -> None:
+        """Raise UserError naming the field, the value and what is allowed, if a filter is unknown."""
+        if self.run is not None and not 0 < len(self.run) <= _MAX_ID_CHARS:
+            raise UserError(f"run: an id of 1 to {_MAX_ID_CHARS} characters, got {len(self.run)}")
+        if self.request_type is not None and self.request_type not in REQUEST_TYPES:
+            raise UserError(f"request type {self.request_type!r} is not one of {', '.join(REQUEST_TYPES)}")
+        if self.status is not None and self.status not in REQUEST_STATUSES:
+            raise UserError(f"status {self.status!r} is not one of {', '.join(REQUEST_STATUSES)}")
+
+
+@dataclass(frozen=True)
 class ServerStatus:
     """The server page: telemetry, and the viewer's long work under way and recently finished."""
 
@@ -134,15 +178,15 @@ class Console:
         self.info = info  # what the server page names: the model and the device
 
     def runs(self, viewer: Viewer, limit: int = PAGE_ROWS, offset: int = 0) -> tuple[list[RunSummary], int]:
-        """A page of the runs the viewer may see, newest first, and their total."""
+        """A page of the runs the viewer may see, newest first, with their newest metric values, and
+        their total."""
         rows, total = self._store.list_runs(viewer.scope, limit, offset)
-        return [_run_summary(row) for row in rows], total
+        latest = self._history.latest([row.id for row in rows])
+        return [replace(_run_summary(row), latest=tuple(latest.get(row.id, ()))) for row in rows], total
 
     def run(self, viewer: Viewer, run_id: str) -> RunDetail:
         """One run the viewer may see, with its metric history, checkpoints, samplers and work."""
-        row = self._store.get_run(run_id)
-        if row is None or not viewer.may_see(row.tenant):
-            raise NotFoundError(f"training run {run_id!r} not found")
+        row = self._visible_run(viewer, run_id)
         checkpoints = [self._with_files(c) for c in self._catalog.checkpoints(row.tenant, run_id)]
         prefix = f"tinker://{run_id}/"
         over_run = self._store.list_samplers(row.tenant, PAGE_ROWS, prefix)
@@ -156,15 +200,37 @@ class Console:
             _run_summary(row), self._history.series(run_id, CHART_POINTS), checkpoints, samplers, work
         )
 
+    def compare(self, viewer: Viewer, run_ids: list[str]) -> Comparison:
+        """Runs the viewer may see (each once, in the order given) and their metric histories, metric by
+        metric; an id it may not see answers like a missing one, before any history is read."""
+        run_ids = list(dict.fromkeys(run_ids))
+        if not run_ids:
+            raise UserError("no run to compare: tick runs on the runs page, or name them as ?run=ID&run=ID")
+        if len(run_ids) > MAX_COMPARED:
+            raise UserError(f"{len(run_ids)} runs asked for: compare at most {MAX_COMPARED} at a time")
+        rows = [self._visible_run(viewer, run_id) for run_id in run_ids]
+        histories = [{(s.kind, s.name): s for s in self._history.series(r.id, CHART_POINTS)} for r in rows]
+        keys = dict.fromkeys(key for history in histories for key in history)
+        metrics = [
+            ComparedMetric(kind, name, tuple(history.get((kind, name)) for history in histories))
+            for kind, name in sorted(keys, key=series_order)
+        ]
+        return Comparison([_run_summary(row) for row in rows], metrics)
+
     def samplers(self, viewer: Viewer, limit: int = PAGE_ROWS) -> list[SamplerSummary]:
         """The newest sampling sessions the viewer may see."""
         return [self._sampler_summary(row) for row in self._store.list_samplers(viewer.scope, limit)]
 
-    def requests(self, viewer: Viewer, limit: int = PAGE_ROWS) -> list[RequestSummary]:
-        """The newest requests the viewer may see (finished ones while retention keeps them); an admin's
-        are those of every tenant that has a key, and of the local tenant of --auth none."""
+    def requests(
+        self, viewer: Viewer, chosen: RequestFilter = RequestFilter(), limit: int = PAGE_ROWS
+    ) -> list[RequestSummary]:
+        """The newest requests the viewer may see that match `chosen` (finished ones while retention keeps
+        them); an admin's are those of every tenant that has a key, and of the local tenant of --auth
+        none."""
+        chosen.check()
         tenants = [viewer.tenant] if not viewer.is_admin else [LOCAL_TENANT, *self._store.key_tenants()]
-        return [_request_summary(row) for row in self._store.recent_futures(tenants, limit)]
+        rows = self._store.recent_futures(tenants, limit, chosen.run, chosen.request_type, chosen.status)
+        return [_request_summary(row) for row in rows]
 
     def server(self, viewer: Viewer) -> ServerStatus:
         """Telemetry now, and the long work of the viewer's runs under way and recently finished."""
@@ -173,6 +239,13 @@ class Console:
             [p for p in self._progress.running() if viewer.may_see(p.tenant)],
             [p for p in self._progress.finished() if viewer.may_see(p.tenant)],
         )
+
+    def _visible_run(self, viewer: Viewer, run_id: str) -> RunRow:
+        """The run, if the viewer may see it; else NotFoundError, whether it exists or not."""
+        row = self._store.get_run(run_id)
+        if row is None or not viewer.may_see(row.tenant):
+            raise NotFoundError(f"training run {run_id!r} not found")
+        return row
 
     def _with_files(self, checkpoint: CheckpointView) -> CheckpointEntry:
         """A checkpoint with a download token for each of its files, signed for its owner."""
@@ -224,9 +297,8 @@ def _run_summary(row: RunRow) -> RunSummary:
 def _request_summary(row: FutureRow) -> RequestSummary:
     created = as_utc(row.created_at)
     latency = (as_utc(row.completed_at) - created).total_seconds() if row.completed_at else None
-    error = row.error[:_ERROR_CHARS] if row.error else None
     return RequestSummary(
-        row.id, row.tenant, row.request_type, row.run_id, row.seq_id, row.status, created, latency, error
+        row.id, row.tenant, row.request_type, row.run_id, row.seq_id, row.status, created, latency, row.error
     )
 
 

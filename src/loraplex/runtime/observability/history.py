@@ -5,13 +5,14 @@ The engine loop puts each finished request's metrics in the record of its engine
 MetricsRecorded), and the writer stores them in the same transaction as the requests' outcomes
 (control/writer.py: metric_row): a request's metrics are in its run's history by the time its outcome is
 visible, and a crash loses neither one without the other. The console reads a run's history back thinned
-to a bounded number of points per kind. Retention bounds the table (control/retention.py). No tensors, no
-HTTP.
+to a bounded number of points per kind, and the newest values of a page of runs in one query. Retention
+bounds the table (control/retention.py). No tensors, no HTTP.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.runtime.control.store import Store
@@ -30,6 +31,16 @@ class MetricSeries:
     total: int  # records of this kind the run's history holds
 
 
+@dataclass(frozen=True)
+class LatestValue:
+    """A metric's value in its run's newest record of its kind, and that record's step."""
+
+    kind: str
+    name: str
+    step: int
+    value: float
+
+
 class MetricHistory:
     """Reads runs' metric histories from the store."""
 
@@ -44,8 +55,27 @@ class MetricHistory:
         for row in rows:
             for name, value in json.loads(row.metrics).items():
                 points.setdefault((row.kind, name), []).append((row.step, float(value)))
-        order = sorted(points, key=lambda key: (_rank(key[0]), not key[1].startswith("loss"), key[1]))
+        order = sorted(points, key=series_order)
         return [MetricSeries(kind, name, tuple(points[kind, name]), totals[kind]) for kind, name in order]
+
+    def latest(self, run_ids: Sequence[str]) -> dict[str, list[LatestValue]]:
+        """Per run, the metrics of its newest record of each kind (one query for them all), in the order
+        of `series`; a run with no history is absent."""
+        found: dict[str, list[LatestValue]] = {}
+        for row in self._store.latest_metrics(run_ids, _KIND_ORDER):
+            values = found.setdefault(row.run_id, [])
+            values += [
+                LatestValue(row.kind, k, row.step, float(v)) for k, v in json.loads(row.metrics).items()
+            ]
+        return {
+            run: sorted(values, key=lambda v: series_order((v.kind, v.name))) for run, values in found.items()
+        }
+
+
+def series_order(key: tuple[str, str]) -> tuple[int, bool, str]:
+    """Series order: by kind, losses first, then by name."""
+    kind, name = key
+    return _rank(kind), not name.startswith("loss"), name
 
 
 def _rank(kind: str) -> int:

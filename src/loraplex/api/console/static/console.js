@@ -1,12 +1,18 @@
 // loraplex console: refreshes the live part of a page (<main data-refresh-ms>) from the server every few
-// seconds, and makes "copy" buttons copy their tinker:// path. No framework, no build step.
+// seconds, except while the viewer is filling in a form there (ticked runs, filters: a refresh would
+// undo them), and makes "copy" buttons copy their tinker:// path. No framework, no build step.
 "use strict";
 
 (function () {
   const live = document.querySelector("main[data-refresh-ms]");
 
+  function editing() {
+    const focused = document.activeElement;
+    return live.dataset.editing === "true" || (focused !== null && live.contains(focused) && focused.closest("form") !== null);
+  }
+
   async function refresh() {
-    if (document.hidden) return;
+    if (document.hidden || editing()) return;
     const url = new URL(window.location.href);
     url.searchParams.set("fragment", "1");
     let response;
@@ -21,7 +27,9 @@
       return;
     }
     if (response.ok || response.status === 404) {
-      live.innerHTML = await response.text();
+      const html = await response.text();
+      if (editing()) return; // the viewer started on a form while this was on its way
+      live.innerHTML = html;
       delete live.dataset.stale;
       live.dataset.refreshedAt = String(Date.now());
     }
@@ -29,6 +37,10 @@
 
   if (live) {
     window.setInterval(refresh, Number(live.dataset.refreshMs) || 3000);
+    // A changed field holds the refresh until the page is left (the form's GET loads a new one).
+    live.addEventListener("change", function (event) {
+      if (event.target.closest("form")) live.dataset.editing = "true";
+    });
   }
 
   function copyText(text) {

@@ -144,14 +144,33 @@ class FutureQueries(StoreBase):
             for *values, created, completed in rows
         ]
 
-    def recent_futures(self, tenants: Sequence[str], limit: int) -> list[FutureRow]:
-        """The newest futures of the given tenants, newest first: each tenant's newest through the
-        (tenant, created_at) index, merged."""
+    def recent_futures(
+        self,
+        tenants: Sequence[str],
+        limit: int,
+        run_id: str | None = None,
+        request_type: str | None = None,
+        status: str | None = None,
+    ) -> list[FutureRow]:
+        """The newest futures of the given tenants, newest first, of one run (or sampler), request type and
+        status where given: each tenant's newest, merged. A run's are read by seq_id through the (run_id,
+        seq_id) index (its seq_ids are claimed in submission order), the others through (tenant,
+        created_at) newest first; schema.py FutureRow says why type and status have no index."""
+        where = [
+            column == value
+            for column, value in (
+                (FutureRow.run_id, run_id),
+                (FutureRow.request_type, request_type),
+                (FutureRow.status, status),
+            )
+            if value is not None
+        ]
+        newest = FutureRow.seq_id.desc() if run_id is not None else FutureRow.created_at.desc()
         rows: list[FutureRow] = []
         with self._session() as s:
             for tenant in dict.fromkeys(tenants):
-                query = select(FutureRow).where(FutureRow.tenant == tenant)
-                rows += s.scalars(query.order_by(FutureRow.created_at.desc()).limit(limit))
+                query = select(FutureRow).where(FutureRow.tenant == tenant, *where)
+                rows += s.scalars(query.order_by(newest).limit(limit))
         return sorted(rows, key=lambda row: as_utc(row.created_at), reverse=True)[:limit]
 
     def fail_pending_futures(self, error: str) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, delete, func, or_, select
+from sqlalchemy import case, delete, func, or_, select, union_all
 
 from loraplex.runtime.control.store.connection import StoreBase
 from loraplex.runtime.control.store.schema import MetricRow, RunRow
@@ -47,6 +47,27 @@ class MetricQueries(StoreBase):
             for r in found
         ]
         return rows, {r.kind: r.n for r in found}
+
+    def latest_metrics(self, run_ids: Sequence[str], kinds: Sequence[str]) -> list[MetricRow]:
+        """Each run's newest metric record of each kind, in one statement: per run and kind, a subquery
+        walks the (run_id, id) index back from the run's newest record to the first of that kind."""
+        if not run_ids or not kinds:
+            return []
+        newest = [
+            select(
+                select(MetricRow.id)
+                .where(MetricRow.run_id == RunRow.id, MetricRow.kind == kind)
+                .order_by(MetricRow.id.desc())
+                .limit(1)
+                .scalar_subquery()
+            ).where(RunRow.id.in_(run_ids))
+            for kind in kinds
+        ]
+        columns = (MetricRow.run_id, MetricRow.step, MetricRow.kind, MetricRow.metrics)
+        query = select(*columns).where(MetricRow.id.in_(union_all(*newest).scalar_subquery()))
+        with self._session() as s:
+            found: Sequence[Any] = s.execute(query.order_by(MetricRow.id)).all()
+        return [MetricRow(run_id=r.run_id, step=r.step, kind=r.kind, metrics=r.metrics) for r in found]
 
     def prune_metrics(self, idle_before: datetime, keep_per_run: int) -> int:
         """Delete the metric history of runs last used before `idle_before`, and every run's records beyond

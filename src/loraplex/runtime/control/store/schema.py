@@ -143,7 +143,10 @@ class FutureRow(Base):
         # Retention prunes finished futures by completion time.
         Index("ix_futures_completed", "completed_at"),
         # The console lists a tenant's newest requests (an admin's: each tenant's, merged). One index, as
-        # every index costs each request's insert.
+        # every index costs each request's insert. Its filters by request type and status read this one
+        # newest first and stop at a page of matches: retention bounds how far back a tenant's rows go,
+        # while an index on status would also cost every outcome's update. Its filter by run reads the
+        # (run_id, seq_id) index of the constraint above.
         Index("ix_futures_tenant_created", "tenant", "created_at"),
     )
 
