@@ -266,7 +266,8 @@ def test_a_run_the_engine_loop_holds_or_a_live_session_uses_keeps_its_parked_sta
     with held(service):  # a request of the parked run is queued when the sweep comes
         waiting = service.training.submit("local", busy, 3, sft_pass(forward_only=True))
         removal = service.housekeeping.sweep()
-    assert busy not in removal.expired_runs and (parked / busy).is_dir()
+        # Checked while the loop is held: once it runs, it brings the run back and its parked state goes.
+        assert busy not in removal.expired_runs and (parked / busy).is_dir()
     assert result_of(service, waiting).status == "complete"  # it came back from its parked state
 
     # A session that heartbeats keeps its runs, however long they go unused.
