@@ -65,9 +65,14 @@ for name in $STAGES; do
   case $name in
     tests)
       # One process per test file: a kernel fault (a misaligned address, say) poisons the CUDA context
-      # of its process, and would fail every later test of a shared one.
+      # of its process, and would fail every later test of a shared one. Without CUDA (the dry run) there
+      # is no context to poison, and one process collects them all at the cost of one start-up.
       stage tests "${TESTS_TIMEOUT_S:-180}" bash -c 'rc=0
-        for file in $(grep -l "pytest.mark.gpu" tests/model/test_*.py tests/engine/test_*.py); do
+        files=$(grep -l "pytest.mark.gpu" tests/model/test_*.py tests/engine/test_*.py)
+        if ! "$0" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+          exec "$0" -m pytest -m gpu -q -rA -p no:cacheprovider --basetemp "$1/pytest" $files
+        fi
+        for file in $files; do
           "$0" -m pytest -m gpu -q -rA -p no:cacheprovider --basetemp "$1/pytest" "$file" || rc=1
         done
         exit $rc' "$PYTHON" "$SCRATCH"
