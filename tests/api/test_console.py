@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,16 +45,22 @@ class Console:
         return self.http.get(path, headers=who or {}, follow_redirects=False)
 
 
-@pytest.fixture(scope="module")
-def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
-    config = ServerConfig(data_dir=tmp_path_factory.mktemp("console"), long_poll_s=2.0, auth="keys")
-    service = Runtime.open(FakeEngine(), config)
+@contextmanager
+def serving_console(data_dir: Path) -> Iterator[tuple[TestClient, Runtime, dict[str, str]]]:
+    """A keyed server over the fake engine with keys for alice, bob and the admin ops, by name."""
+    service = Runtime.open(FakeEngine(), ServerConfig(data_dir=data_dir, long_poll_s=2.0, auth="keys"))
     keys = {
         "alice": create_key(service.store, "alice"),
         "bob": create_key(service.store, "bob"),
         "ops": create_key(service.store, "ops", admin=True),
     }
     with TestClient(create_app(service)) as http:
+        yield http, service, keys
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console]:
+    with serving_console(tmp_path_factory.mktemp("console")) as (http, service, keys):
         run = _train(http, {"X-API-Key": keys["alice"]}, STEPS)
         yield Console(http, service, keys, run)
 

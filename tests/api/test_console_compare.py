@@ -13,17 +13,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pytest
-from fastapi.testclient import TestClient
 
-from loraplex.api.app import create_app
 from loraplex.api.console.charts import PLOT_H, TOP
 from loraplex.api.console.pages import render_fragment
-from loraplex.config import ServerConfig
-from loraplex.runtime.assembly import Runtime
-from loraplex.runtime.control.keys import Viewer, create_key
+from loraplex.runtime.control.keys import Viewer
 from loraplex.runtime.observability.console import MAX_COMPARED, RequestFilter, RequestSummary
-from tests.api.test_console import Console, _train
-from tests.fakes import FakeEngine
+from tests.api.test_console import Console, _train, serving_console
 
 
 @dataclass
@@ -36,14 +31,7 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    config = ServerConfig(data_dir=tmp_path_factory.mktemp("compare"), long_poll_s=2.0, auth="keys")
-    service = Runtime.open(FakeEngine(), config)
-    keys = {
-        "alice": create_key(service.store, "alice"),
-        "bob": create_key(service.store, "bob"),
-        "ops": create_key(service.store, "ops", admin=True),
-    }
-    with TestClient(create_app(service)) as http:
+    with serving_console(tmp_path_factory.mktemp("compare")) as (http, service, keys):
         alice = {"X-API-Key": keys["alice"]}
         a, b = _train(http, alice, 3), _train(http, alice, 2)
         c = _train(http, {"X-API-Key": keys["bob"]}, 1)
