@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from loraplex.cli import main
@@ -24,7 +25,7 @@ from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.journal import FORWARD_BACKWARD, MetricsRecorded, Record
 from loraplex.runtime.observability.history import MetricHistory
 from loraplex.timestamps import utcnow
-from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
+from tests.runtime.conftest import create_run, result_of, rl_pass, sft_pass, train_steps
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -65,6 +66,27 @@ def test_a_forward_is_recorded_under_the_steps_already_taken(service_factory) ->
     evaluation = service.training.submit("local", run, 5, sft_pass(forward_only=True))
     loss = result_of(service, evaluation).result.metrics["loss:sum"]  # type: ignore[union-attr]
     assert _series(service.history, run)["forward", "loss:sum"] == [(2, loss)]
+
+
+def test_a_passes_health_goes_to_the_history_and_to_metrics_but_never_to_the_client(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    done = result_of(service, service.training.submit("local", run, 1, rl_pass("ppo")))
+    assert set(done.result.metrics) == {"loss:sum", "clip_fraction:mean"}  # type: ignore[union-attr]
+    series = _series(service.history, run)
+    n = len(rl_pass("ppo").datums[0].tokens)  # q = −3 everywhere: every position is trained
+    assert series["forward_backward", "train/tokens"] == [(1, n)]
+    advantages = np.linspace(-1.0, 1.0, n)
+    ((_, mean),) = series["forward_backward", "rl/advantage_mean"]
+    ((_, std),) = series["forward_backward", "rl/advantage_std"]
+    assert (mean, std) == (pytest.approx(0.0, abs=1e-7), pytest.approx(advantages.std(), rel=1e-6))
+    diff = -3.0 - done.result.outputs[0]["logprobs"].astype(np.float64)  # type: ignore[union-attr]
+    assert series["forward_backward", "rl/kl_sample_train_v1"] == [(1, pytest.approx(diff.mean(), rel=1e-6))]
+    assert series["forward_backward", "rl/logprob_diff_max"] == [
+        (1, pytest.approx(abs(diff).max(), rel=1e-6))
+    ]
+    exported = service.telemetry.registry.get_sample_value
+    assert exported("loraplex_trained_tokens_total", {"loss_fn": "ppo"}) == n
 
 
 def test_a_restarted_run_numbers_its_steps_on_from_where_it_stopped(service_factory) -> None:

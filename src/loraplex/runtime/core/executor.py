@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
-from loraplex.engine.types import PassRequest, PassResult
+from loraplex.engine.types import PassRequest, PassResult, SampleResult
 from loraplex.errors import CapacityError, ServerError, UserError
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout, owner_digest
 from loraplex.runtime.core.commands import (
@@ -40,6 +40,7 @@ from loraplex.runtime.core.journal import (
     FORWARD,
     FORWARD_BACKWARD,
     OPTIM_STEP,
+    SAMPLE,
     CheckpointSaved,
     Journal,
     MetricsRecorded,
@@ -51,6 +52,7 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
+from loraplex.runtime.core.sample_history import SamplerRuns, sample_metrics
 from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
@@ -94,6 +96,7 @@ class Executor:
         self._write_sizes: dict[tuple[str, str], int] = {}
         # The last record whose call the engine may have to take back, and how.
         self._open: tuple[Receipt, Callable[[], None]] | None = None
+        self._sampler_runs = SamplerRuns()  # whose history a sampler's requests go to
 
     # --- the journal
     def hand_over(self, record: Record, undo: Callable[[], None] | None = None) -> None:
@@ -161,10 +164,12 @@ class Executor:
         had_gradients = [(run, run.pending_gradients) for run, _ in items]
         for (run, entry), result in zip(items, results, strict=True):
             record.outcomes[entry.future_id] = result
-            if isinstance(result, PassResult):
+            cmd = entry.command
+            if isinstance(result, PassResult) and isinstance(cmd, ForwardBackward):
                 record.facts.append(_pass_metrics(run, entry, result))
-                if not entry.command.forward_only:  # type: ignore[union-attr]
+                if not cmd.forward_only:
                     run.pending_gradients = True
+                    self.telemetry.health.record_training(cmd.loss_fn, result.health)
 
         def undo() -> None:
             self.engine.undo_last()
@@ -265,6 +270,7 @@ class Executor:
                     lambda: self.engine.save_snapshot(slot, directory),
                 )
             sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
+            self._sampler_runs.note(cmd.sampler_id, run.run_id, run.optim_steps)
             result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
             return Record({future_id: result}, [sampler], written=directory)
         raise ServerError(f"no executor for command {type(cmd).__name__}")
@@ -530,17 +536,29 @@ class Executor:
 
     def _finish_samples(self, outcomes: dict[str, Outcome]) -> None:
         with self.state.cond:
-            for future_id in outcomes:
-                self.state.samples.finish(future_id)
-        self.hand_over(Record(outcomes))
+            jobs = [self.state.samples.finish(future_id) for future_id in outcomes]
+        record = Record(outcomes)
+        for job in jobs:
+            result = outcomes[job.future_id]
+            if not isinstance(result, SampleResult):
+                continue
+            metrics = sample_metrics(result)
+            self.telemetry.health.record_samples(metrics)
+            if (weights := self._sampler_runs.get(job.sampler_id)) is not None:
+                record.facts.append(
+                    MetricsRecorded(weights.run_id, job.seq_id, weights.step, SAMPLE, metrics)
+                )
+        self.hand_over(record)
 
 
 def _pass_metrics(run: RunState, entry: Entry, result: PassResult) -> MetricsRecorded:
-    """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken."""
+    """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken. The history
+    keeps the client's metrics and the server's health statistics of the request together."""
     assert isinstance(entry.command, ForwardBackward)
+    metrics = {**result.metrics, **result.health}
     if entry.command.forward_only:
-        return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps, FORWARD, result.metrics)
-    return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, FORWARD_BACKWARD, result.metrics)
+        return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps, FORWARD, metrics)
+    return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, FORWARD_BACKWARD, metrics)
 
 
 # What saving each kind of checkpoint is called where work in progress is shown (progress.py), and the
