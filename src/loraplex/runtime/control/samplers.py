@@ -142,7 +142,7 @@ class SamplerService:
                 if first is not None:
                     return self.futures.get(first, tenant)
             raise
-        job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner, sampler_id, seq_id)
+        job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner, seq_id)
         with self.state.cond:
             self.state.samples.add(job, room)
             self.state.cond.notify_all()

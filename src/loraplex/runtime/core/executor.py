@@ -52,7 +52,7 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
-from loraplex.runtime.core.sample_history import SamplerRuns, sample_metrics
+from loraplex.runtime.core.sample_history import SnapshotRuns, SnapshotWeights, sample_metrics
 from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
@@ -96,7 +96,7 @@ class Executor:
         self._write_sizes: dict[tuple[str, str], int] = {}
         # The last record whose call the engine may have to take back, and how.
         self._open: tuple[Receipt, Callable[[], None]] | None = None
-        self._sampler_runs = SamplerRuns()  # whose history a sampler's requests go to
+        self._snapshot_runs = SnapshotRuns()  # whose history a request sampling a snapshot goes to
 
     # --- the journal
     def hand_over(self, record: Record, undo: Callable[[], None] | None = None) -> None:
@@ -257,7 +257,9 @@ class Executor:
         if isinstance(cmd, SaveExternal | SaveSnapshot) and cmd.name is not None:
             kind = "external_weights" if isinstance(cmd, SaveExternal) else "sampler_weights"
             path = CheckpointPath(run.run_id, kind, cmd.name)
-            return self._save(run, path, cmd, future_id, lambda d: self.engine.save_snapshot(slot, d))
+            record = self._save(run, path, cmd, future_id, lambda d: self.engine.save_snapshot(slot, d))
+            self._note_snapshot(self.layout.checkpoint_dir(path), run)
+            return record
         if isinstance(cmd, SaveSnapshot) and cmd.sampler_id is not None:
             directory = self.layout.snapshot_dir(cmd.sampler_id)
             if directory.exists():  # the control plane checked the sampler id; this catches a copy in flight
@@ -270,10 +272,14 @@ class Executor:
                     lambda: self.engine.save_snapshot(slot, directory),
                 )
             sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
-            self._sampler_runs.note(cmd.sampler_id, run.run_id, run.optim_steps)
+            self._note_snapshot(directory, run)
             result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
             return Record({future_id: result}, [sampler], written=directory)
         raise ServerError(f"no executor for command {type(cmd).__name__}")
+
+    def _note_snapshot(self, directory: Path, run: RunState) -> None:
+        """`directory` holds the run's weights as of now: requests sampling it go to its history."""
+        self._snapshot_runs.note(directory, SnapshotWeights(run.run_id, run.tenant, run.optim_steps))
 
     def _save(
         self,
@@ -544,7 +550,7 @@ class Executor:
                 continue
             metrics = sample_metrics(result)
             self.telemetry.health.record_samples(metrics)
-            if (weights := self._sampler_runs.get(job.sampler_id)) is not None:
+            if (weights := self._snapshot_runs.get(job.request.snapshot, job.tenant)) is not None:
                 record.facts.append(
                     MetricsRecorded(weights.run_id, job.seq_id, weights.step, SAMPLE, metrics)
                 )

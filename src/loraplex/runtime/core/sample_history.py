@@ -1,55 +1,60 @@
 """What a finished sampling request adds to the metric history of the run whose weights it sampled.
 
-A sampler made by an unnamed save_weights_for_sampler (the SDK's save_weights_and_get_sampling_client,
-which tinker-cookbook's RL loops call every step) samples one run's weights as of one step; the executor
-notes that when it saves the snapshot (`SamplerRuns.note`) and, as each of the sampler's requests
-finishes, records the request's lengths and stop reasons in that run's history at that step
-(`sample_metrics`; docs/METRICS.md defines them). The note lives in memory only: a sampler made before a
-restart, or over a named checkpoint, is in no run's history (its requests still count on /metrics).
-No tensors, no SQL, no HTTP.
+A snapshot saved by save_weights_for_sampler (unnamed: the SDK's save_weights_and_get_sampling_client,
+which tinker-cookbook's RL loops call every step; or named, which the cookbook samples from on its
+checkpoint steps) holds one run's weights as of one step. The executor notes that when it saves the
+snapshot (`SnapshotRuns.note`) and, as each request sampling that snapshot directory finishes, records the
+request's lengths and stop reasons in that run's history at that step (`sample_metrics`; docs/METRICS.md
+defines them), when the request is the run owner's own. The notes live in memory only: a snapshot saved
+before a restart is in no run's history (its requests still count on /metrics). No tensors, no SQL, no
+HTTP.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 from loraplex.engine.types import SampleResult
 
 SEQUENCES, TOKENS, LENGTH_MEAN = "sample/sequences", "sample/tokens", "sample/length_mean"
 STOP_REASONS = ("stop", "length")  # SampledSequence.stop_reason: EOS / stop token / stop string, max_tokens
 STOP_NAMES = {reason: f"sample/stop_reason_{reason}" for reason in STOP_REASONS}
-# Samplers remembered at most, the oldest forgotten first: a step's sampler is used for that step, so a
-# few thousand cover every run a server trains at once, in bounded memory over a long life.
-MAX_SAMPLERS = 4096
+# Snapshots remembered at most, the oldest saved forgotten first: an RL loop samples each step's snapshot
+# during that step, so a few thousand cover every run a server trains at once, in bounded memory.
+MAX_SNAPSHOTS = 4096
 
 
 @dataclass(frozen=True)
-class SampledWeights:
-    """The run a sampler samples, and the optimizer steps it had taken when its snapshot was saved."""
+class SnapshotWeights:
+    """Whose run a snapshot holds, and the optimizer steps the run had taken when it was saved."""
 
     run_id: str
+    tenant: str
     step: int
 
 
-class SamplerRuns:
-    """Sampler id -> the run and step its snapshot holds, for the most recent `MAX_SAMPLERS` samplers.
-    Used by the engine thread only."""
+class SnapshotRuns:
+    """Snapshot directory -> the run and step it holds, for the last `max_snapshots` saved. Used by the
+    engine thread only."""
 
-    def __init__(self, max_samplers: int = MAX_SAMPLERS) -> None:
-        self._max = max_samplers
-        self._weights: OrderedDict[str, SampledWeights] = OrderedDict()
+    def __init__(self, max_snapshots: int = MAX_SNAPSHOTS) -> None:
+        self._max = max_snapshots
+        self._weights: OrderedDict[Path, SnapshotWeights] = OrderedDict()
 
-    def note(self, sampler_id: str, run_id: str, step: int) -> None:
-        """A snapshot of `run_id` after `step` optimizer steps was saved for `sampler_id`."""
-        self._weights[sampler_id] = SampledWeights(run_id, step)
-        self._weights.move_to_end(sampler_id)
+    def note(self, directory: Path, weights: SnapshotWeights) -> None:
+        """`directory` now holds `weights` (a snapshot saved again under the same name: the latest)."""
+        self._weights[directory] = weights
+        self._weights.move_to_end(directory)
         while len(self._weights) > self._max:
             self._weights.popitem(last=False)
 
-    def get(self, sampler_id: str | None) -> SampledWeights | None:
-        """The weights a sampler samples, if it is one noted here."""
-        return None if sampler_id is None else self._weights.get(sampler_id)
+    def get(self, directory: Path | None, tenant: str) -> SnapshotWeights | None:
+        """The run and step a tenant's request sampling `directory` belongs to: a snapshot noted here of
+        one of the tenant's own runs (another tenant's sampling never enters a run's history)."""
+        weights = None if directory is None else self._weights.get(directory)
+        return weights if weights is not None and weights.tenant == tenant else None
 
 
 def sample_metrics(result: SampleResult) -> dict[str, float]:

@@ -66,8 +66,7 @@ class SampleJob:
     request: SampleRequest  # request.snapshot is set: the snapshot directory, or None for the base model
     export_from: CheckpointPath | None = None  # a training checkpoint to export into request.snapshot first
     export_owner: str = ""  # the owner digest stamped into export_from (the engine checks it)
-    sampler_id: str | None = None  # the sampler it was sent to, and its seq_id there (its run's history)
-    seq_id: int = 0
+    seq_id: int = 0  # its seq_id on its sampler (a run's history names it)
 
     @property
     def num_samples(self) -> int:
