@@ -168,7 +168,7 @@ def test_a_named_sampler_snapshot_of_the_run_records_its_requests_at_the_step_it
 ) -> None:
     path = run.save_weights_for_sampler("step-1").result().path
     sft_steps(run, 1)  # the run moves on; the snapshot's requests stay at step 1
-    sampler = run.create_sampling_client(path)
+    sampler = run.create_sampling_client(path).result()
     prompt = types.ModelInput.from_ints(PHRASE)
     sampler.sample(prompt, 2, types.SamplingParams(max_tokens=4, seed=2, stop=[])).result()
     samples = [(step, m) for step, kind, m in _history(server, run.model_id) if kind == "sample"]

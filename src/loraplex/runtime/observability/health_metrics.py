@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from loraplex.engine.health import CLIPPED_TOKENS, KL_V2, LOGPROB_DIFF_MAX, TRAINED_TOKENS
+from loraplex.engine.losses import LOSSES
 from loraplex.runtime.core.sample_history import STOP_NAMES, TOKENS
 
 # |q − lp| per request: from fp32 noise (~1e-6) through an off-policy batch (≥ 1).
@@ -25,25 +26,33 @@ class HealthMetrics:
     """The health counters of one telemetry registry; the engine thread records into them."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._trained = Counter(
+        trained = Counter(
             "loraplex_trained_tokens",
             "Tokens trained by forward_backward requests (effective weight != 0), by loss.",
             ("loss_fn",),
             registry=registry,
         )
-        self._clipped = Counter(
+        clipped = Counter(
             "loraplex_rl_clipped_tokens",
             "Trained tokens whose ratio lay outside the clip bounds (ppo, cispo, gspo), by loss.",
             ("loss_fn",),
             registry=registry,
         )
-        self._diff_sq = Counter(
+        diff_sq = Counter(
             "loraplex_rl_logprob_diff_squared",
             "Sum over trained RL tokens of (q - lp)^2, q the sampler's logprob and lp the learner's; half "
             "of it over loraplex_trained_tokens_total of the same losses is kl_sample_train_v2.",
             ("loss_fn",),
             registry=registry,
         )
+        # Every loss's series from the start, at 0 (a rate needs the zero), each where the loss has it.
+        self._trained = {loss_fn: trained.labels(loss_fn) for loss_fn in LOSSES}
+        self._clipped = {
+            loss_fn: clipped.labels(loss_fn)
+            for loss_fn, spec in LOSSES.items()
+            if "clip_low_threshold" in spec.config
+        }
+        self._diff_sq = {loss_fn: diff_sq.labels(loss_fn) for loss_fn, spec in LOSSES.items() if spec.is_rl}
         self._diff_max = Histogram(
             "loraplex_rl_logprob_diff_max",
             "Per RL forward_backward request, the largest |q - lp| over its trained tokens.",
@@ -67,11 +76,11 @@ class HealthMetrics:
     def record_training(self, loss_fn: str, health: Mapping[str, float]) -> None:
         """One forward_backward request's health (engine/health.py); non-finite values are left out."""
         n = health.get(TRAINED_TOKENS, 0.0)
-        self._trained.labels(loss_fn).inc(n)
+        self._trained[loss_fn].inc(n)
         if CLIPPED_TOKENS in health:
-            self._clipped.labels(loss_fn).inc(health[CLIPPED_TOKENS])
+            self._clipped[loss_fn].inc(health[CLIPPED_TOKENS])
         if math.isfinite(health.get(KL_V2, math.nan)):  # an RL loss, with tokens trained
-            self._diff_sq.labels(loss_fn).inc(2.0 * health[KL_V2] * n)
+            self._diff_sq[loss_fn].inc(2.0 * health[KL_V2] * n)
             self._diff_max.observe(health[LOGPROB_DIFF_MAX])
 
     def record_samples(self, metrics: Mapping[str, float]) -> None:
