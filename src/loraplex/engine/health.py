@@ -26,7 +26,7 @@ LOGPROB_DIFF_MAX = "rl/logprob_diff_max"
 CLIPPED_TOKENS = "rl/clipped_tokens"
 
 
-def trained_mask(batch: LossBatch) -> Tensor:
+def _trained_mask(batch: LossBatch) -> Tensor:
     """Tokens whose loss can be non-zero (T,) bool: effective weight ≠ 0 (any of K for (T,K) weights),
     and for gspo also in its sequence-ratio mask M."""
     weights = batch.inputs["weights"]
@@ -45,7 +45,7 @@ def health_stats(lp: Tensor, batch: LossBatch, metrics: Mapping[str, Tensor]) ->
     population std; d = q − lp: kl_v1 = Σd/n, kl_v2 = ½Σd²/n, logprob_diff_max = max|d|;
     clipped_tokens = clip_fraction:mean · n (the loss's own clip rule).
     """
-    on_T = trained_mask(batch)
+    on_T = _trained_mask(batch)
     n = on_T.sum(dtype=torch.float32)
     stats = {TRAINED_TOKENS: n}
     if "logprobs" not in batch.inputs or "advantages" not in batch.inputs:
