@@ -1,7 +1,8 @@
 """Training and sampling health through the official SDK against a real server: each RL forward_backward's
 sampler/learner KL, max |Δ|, advantages and clipped tokens, and each sampling request's lengths and stop
 reasons, land in the run's metric history (read straight from the server's database) and in /metrics'
-sums, with designed values; the SDK's own results carry only Tinker's metrics.
+sums, with designed values, and the KL equals tinker-cookbook's own `compute_kl_sample_train` of the
+same data; the SDK's own results carry only Tinker's metrics.
 
 Sampler logprobs are the learner's own (from a `forward` of the same datum) plus a dyadic shift δ below
 |lp|, so q − lp = δ exactly in fp32 (tests/engine/test_health.py explains the arithmetic).
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import tinker
 from tinker import types
+from tinker_cookbook.rl.metrics import compute_kl_sample_train
 
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import PHRASE, client, logprobs, new_run, sft_steps
@@ -109,6 +111,32 @@ def test_rl_health_of_each_request_is_in_the_runs_history_and_on_metrics_never_i
     squared = moved("loraplex_rl_logprob_diff_squared_total", loss_fn="importance_sampling")
     assert squared == pytest.approx((d**2).sum(), rel=1e-6)
     assert moved("loraplex_rl_logprob_diff_max_count") == 3
+
+
+def test_the_kl_in_the_history_equals_tinker_cookbooks_own_kl_sample_train_of_the_same_data(
+    server: Server, run: tinker.TrainingClient
+) -> None:
+    rng = np.random.default_rng(0)
+    lp = logprobs(run)[PROMPT:]
+    shifts = rng.normal(0.0, 0.3, (2, N - PROMPT)).astype(np.float32)
+    datums = [_rl_datum(lp + shift, ADVANTAGES) for shift in shifts]
+    result = run.forward_backward(datums, "ppo").result()
+    history = _history(server, run.model_id)
+    (row,) = (m for step, kind, m in history if (step, kind) == (2, "forward_backward"))
+    # The cookbook's metric reads the action mask its datums carry (and strips before sending): the
+    # positions after the prompt.
+    action_mask = np.arange(N) >= PROMPT
+    masked = [
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={**d.loss_fn_inputs, "mask": action_mask.astype(np.float32)},
+        )
+        for d in datums
+    ]
+    training_logprobs = [out["logprobs"].to_torch() for out in result.loss_fn_outputs]
+    cookbook = compute_kl_sample_train(masked, training_logprobs)
+    assert row["rl/kl_sample_train_v1"] == pytest.approx(cookbook["optim/kl_sample_train_v1"], rel=1e-5)
+    assert row["rl/kl_sample_train_v2"] == pytest.approx(cookbook["optim/kl_sample_train_v2"], rel=1e-5)
 
 
 def test_each_sampling_request_records_its_lengths_and_stop_reasons_in_the_runs_history(
