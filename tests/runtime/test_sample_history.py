@@ -15,9 +15,10 @@ def _sequence(length: int, stop_reason: str) -> SampledSequence:
     return SampledSequence(np.zeros(length, np.int32), np.zeros(length, np.float32), stop_reason)
 
 
-def test_a_requests_row_counts_its_samples_tokens_and_each_stop_reason() -> None:
-    result = SampleResult([_sequence(3, "stop"), _sequence(8, "length"), _sequence(1, "stop")])
-    assert sample_metrics(result) == {
+def test_a_row_counts_its_requests_samples_tokens_and_each_stop_reason() -> None:
+    first = SampleResult([_sequence(3, "stop"), _sequence(8, "length")])
+    second = SampleResult([_sequence(1, "stop")])
+    assert sample_metrics([first, second]) == {
         "sample/sequences": 3.0,
         "sample/tokens": 12.0,
         "sample/length_mean": 4.0,

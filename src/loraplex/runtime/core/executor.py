@@ -544,16 +544,19 @@ class Executor:
         with self.state.cond:
             jobs = [self.state.samples.finish(future_id) for future_id in outcomes]
         record = Record(outcomes)
+        # One history row per snapshot for the requests that finished together (usually one request).
+        finished: dict[SnapshotWeights | None, list[tuple[int, SampleResult]]] = {}
         for job in jobs:
             result = outcomes[job.future_id]
-            if not isinstance(result, SampleResult):
-                continue
-            metrics = sample_metrics(result)
+            if isinstance(result, SampleResult):
+                weights = self._snapshot_runs.get(job.request.snapshot, job.tenant)
+                finished.setdefault(weights, []).append((job.seq_id, result))
+        for weights, done in finished.items():
+            metrics = sample_metrics([result for _, result in done])
             self.telemetry.health.record_samples(metrics)
-            if (weights := self._snapshot_runs.get(job.request.snapshot, job.tenant)) is not None:
-                record.facts.append(
-                    MetricsRecorded(weights.run_id, job.seq_id, weights.step, SAMPLE, metrics)
-                )
+            if weights is not None:
+                first = min(seq_id for seq_id, _ in done)
+                record.facts.append(MetricsRecorded(weights.run_id, first, weights.step, SAMPLE, metrics))
         self.hand_over(record)
 
 

@@ -47,7 +47,7 @@ class MetricsRecorded:
     (observability/history.py)."""
 
     run_id: str
-    seq_id: int  # the run's seq_id of the request; a sample request's: its sampler's
+    seq_id: int  # the run's seq_id of the request; sample requests': the first one's on its sampler
     step: int
     kind: str  # forward_backward | forward | optim_step | sample
     metrics: Mapping[str, float]

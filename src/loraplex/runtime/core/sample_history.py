@@ -3,16 +3,17 @@
 A snapshot saved by save_weights_for_sampler (unnamed: the SDK's save_weights_and_get_sampling_client,
 which tinker-cookbook's RL loops call every step; or named, which the cookbook samples from on its
 checkpoint steps) holds one run's weights as of one step. The executor notes that when it saves the
-snapshot (`SnapshotRuns.note`) and, as each request sampling that snapshot directory finishes, records the
-request's lengths and stop reasons in that run's history at that step (`sample_metrics`; docs/METRICS.md
-defines them), when the request is the run owner's own. The notes live in memory only: a snapshot saved
-before a restart is in no run's history (its requests still count on /metrics). No tensors, no SQL, no
-HTTP.
+snapshot (`SnapshotRuns.note`) and, as requests sampling that snapshot directory finish, records their
+lengths and stop reasons in that run's history at that step (`sample_metrics`: one row for the requests
+of one sampler step; docs/METRICS.md defines them), when the requests are the run owner's own. The notes
+live in memory only: a snapshot saved before a restart is in no run's history (its requests still count
+on /metrics). No tensors, no SQL, no HTTP.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,13 +58,14 @@ class SnapshotRuns:
         return weights if weights is not None and weights.tenant == tenant else None
 
 
-def sample_metrics(result: SampleResult) -> dict[str, float]:
-    """One request's samples: how many, their tokens (stop tokens included), mean length, and how many
-    ended on each stop reason."""
-    lengths = [len(sequence.tokens) for sequence in result.sequences]
+def sample_metrics(results: Sequence[SampleResult]) -> dict[str, float]:
+    """The samples of some requests together: how many, their tokens (stop tokens included), mean length,
+    and how many ended on each stop reason."""
+    sequences = [sequence for result in results for sequence in result.sequences]
+    lengths = [len(sequence.tokens) for sequence in sequences]
     metrics = {SEQUENCES: float(len(lengths)), TOKENS: float(sum(lengths))}
     if lengths:
         metrics[LENGTH_MEAN] = sum(lengths) / len(lengths)
     for reason, name in STOP_NAMES.items():
-        metrics[name] = float(sum(sequence.stop_reason == reason for sequence in result.sequences))
+        metrics[name] = float(sum(sequence.stop_reason == reason for sequence in sequences))
     return metrics
