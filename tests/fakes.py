@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.engine.health import health_stats
 from loraplex.engine.interface import Engine, EngineInfo, EngineUsage, ParameterBytes
 from loraplex.engine.losses import compute_loss, pack_loss_inputs
 from loraplex.engine.pending_step import PendingStep
@@ -201,7 +202,12 @@ class FakeEngine(Engine):
                 lp.detach().split(batch.lengths), loss_T.detach().split(batch.lengths), strict=True
             )
         ]
-        return PassResult(outputs, {key: float(value) for key, value in metrics.items()})
+        health = health_stats(lp, batch, metrics)
+        return PassResult(
+            outputs,
+            {key: float(value) for key, value in metrics.items()},
+            {key: float(value) for key, value in health.items()},
+        )
 
     # --- optimizer: prepare computes every norm and metric and changes nothing; apply updates in place
     def prepare_step(self, steps: dict[int, AdamParams]) -> PreparedStep:

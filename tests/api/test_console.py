@@ -123,7 +123,8 @@ def test_a_tenant_sees_its_run_and_a_loss_chart_with_one_point_per_step(console:
     page = console.get(f"/console/runs/{console.run}", alice)
     assert page.status_code == 200
     assert _loss_points(page.text) == STEPS
-    assert page.text.count('<circle class="point series-0"') == 3 * STEPS  # loss, grad_norm, learning_rate
+    # loss:sum, train/tokens, grad_norm, learning_rate
+    assert page.text.count('<circle class="point series-0"') == 4 * STEPS
     assert _loss_points(console.get(f"/console/runs/{console.run}?fragment=1", alice).text) == STEPS
 
 

@@ -51,10 +51,18 @@ def test_smoothing_keeps_a_constant_series_and_refuses_a_weight_outside_0_to_1()
         ("learning_rate", NON_NEGATIVE),
         ("loss:sum", NON_NEGATIVE),
         ("clip_fraction:mean", FRACTION),
-        ("rl/clipped_fraction", FRACTION),
-        ("rl/kl_sampler_learner", NON_NEGATIVE),
-        ("rl/tokens_trained", NON_NEGATIVE),
-        ("rl/length_mean", NON_NEGATIVE),
+        # the server's training and sampling health (docs/METRICS.md)
+        ("train/tokens", NON_NEGATIVE),
+        ("rl/kl_sample_train_v1", NON_NEGATIVE),
+        ("rl/kl_sample_train_v2", NON_NEGATIVE),
+        ("rl/logprob_abs_diff_max", NON_NEGATIVE),
+        ("rl/clipped_tokens", NON_NEGATIVE),
+        ("rl/advantage_std", NON_NEGATIVE),
+        ("sample/sequences", NON_NEGATIVE),
+        ("sample/tokens", NON_NEGATIVE),
+        ("sample/length_mean", NON_NEGATIVE),
+        ("sample/stop_reason_stop", NON_NEGATIVE),
+        ("sample/stop_reason_length", NON_NEGATIVE),
         ("rl/advantage_mean", UNBOUNDED),
         ("reward", UNBOUNDED),
     ],
@@ -82,7 +90,7 @@ def test_a_fraction_axis_stops_at_1_and_a_constant_0_norm_at_0() -> None:
 
 def test_data_outside_a_domain_widens_the_axis_rather_than_being_hidden() -> None:
     # a KL estimate that came out negative: -0.02 .. 0.05 padded, step 0.02 -> -0.04 .. 0.06
-    axis = y_axis([-0.02, 0.05], metric_domain("rl/kl_sampler_learner"))
+    axis = y_axis([-0.02, 0.05], metric_domain("rl/kl_sample_train_v1"))
     assert (axis.low, axis.high) == (-0.04, 0.06)
 
 

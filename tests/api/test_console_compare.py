@@ -89,6 +89,7 @@ def test_the_compare_page_overlays_one_curve_per_run_on_each_metrics_chart(runs:
         == set(history[runs.a])
         == {
             ("forward_backward", "loss:sum"),
+            ("forward_backward", "train/tokens"),
             ("optim_step", "grad_norm"),
             ("optim_step", "learning_rate"),
         }

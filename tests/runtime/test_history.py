@@ -10,20 +10,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pytest
 import sqlalchemy as sa
 
 from loraplex.cli import main
-from loraplex.engine.types import LoraConfig, PassResult
+from loraplex.engine.types import LoraConfig, PassResult, SampleRequest, SamplingParams
 from loraplex.runtime.control.futures import FutureTable
 from loraplex.runtime.control.retention import Retention, RetentionPolicy
 from loraplex.runtime.control.store import Batch, Store
 from loraplex.runtime.control.store.schema import RunRow
 from loraplex.runtime.control.writer import JournalWriter
 from loraplex.runtime.core.checkpoints import DiskLayout
+from loraplex.runtime.core.commands import SaveSnapshot
 from loraplex.runtime.core.journal import FORWARD_BACKWARD, MetricsRecorded, Record
 from loraplex.runtime.observability.history import LatestValue, MetricHistory
 from loraplex.timestamps import utcnow
-from tests.runtime.conftest import create_run, result_of, sft_pass, train_steps
+from tests.fakes import FakeEngine
+from tests.runtime.conftest import PHRASE, create_run, result_of, rl_pass, sft_pass, train_steps
 
 
 def _series(history: MetricHistory, run_id: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -48,6 +52,57 @@ def test_a_forward_is_recorded_under_the_steps_already_taken(service_factory) ->
     evaluation = service.training.submit("local", run, 5, sft_pass(forward_only=True))
     loss = result_of(service, evaluation).result.metrics["loss:sum"]  # type: ignore[union-attr]
     assert _series(service.history, run)["forward", "loss:sum"] == [(2, loss)]
+
+
+def test_a_passes_health_goes_to_the_history_and_to_metrics_but_never_to_the_client(service_factory) -> None:
+    service = service_factory()
+    run = create_run(service)
+    done = result_of(service, service.training.submit("local", run, 1, rl_pass("ppo")))
+    assert set(done.result.metrics) == {"loss:sum", "clip_fraction:mean"}  # type: ignore[union-attr]
+    series = _series(service.history, run)
+    n = len(rl_pass("ppo").datums[0].tokens)  # q = −3 everywhere: every position is trained
+    assert series["forward_backward", "train/tokens"] == [(1, n)]
+    advantages = np.linspace(-1.0, 1.0, n)
+    ((_, mean),) = series["forward_backward", "rl/advantage_mean"]
+    ((_, std),) = series["forward_backward", "rl/advantage_std"]
+    assert (mean, std) == (pytest.approx(0.0, abs=1e-7), pytest.approx(advantages.std(), rel=1e-6))
+    diff = -3.0 - done.result.outputs[0]["logprobs"].astype(np.float64)  # type: ignore[union-attr]
+    assert series["forward_backward", "rl/kl_sample_train_v1"] == [(1, pytest.approx(diff.mean(), rel=1e-6))]
+    assert series["forward_backward", "rl/logprob_abs_diff_max"] == [
+        (1, pytest.approx(abs(diff).max(), rel=1e-6))
+    ]
+    exported = service.telemetry.registry.get_sample_value
+    assert exported("loraplex_trained_tokens_total", {"loss_fn": "ppo"}) == n
+
+
+def test_requests_of_a_snapshot_that_finish_together_make_one_sample_row_at_the_snapshots_step(
+    service_factory,
+) -> None:
+    engine = FakeEngine()
+    service = service_factory(engine)
+    run = create_run(service)
+    train_steps(service, run, 2)
+    sampler = run.replace(":train:0", ":sample:0")
+    result_of(service, service.training.submit("local", run, 5, SaveSnapshot(None, sampler_id=sampler)))
+    train_steps(service, run, 1, first_seq=6)  # the snapshot stays at step 2
+    engine.holds_samples = True  # both requests enter the engine's batch, then finish in one step
+    requests = [
+        SampleRequest(PHRASE, SamplingParams(max_tokens=4, seed=1, stop=()), num_samples=2),
+        SampleRequest(PHRASE, SamplingParams(max_tokens=6, seed=2, stop=()), num_samples=1),
+    ]
+    records = [service.samplers.sample("local", sampler, seq, r) for seq, r in enumerate(requests)]
+    deadline = time.monotonic() + 10
+    while len(engine.sample_queue) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    engine.holds_samples = False
+    for record in records:
+        result_of(service, record)
+    series = _series(service.history, run)
+    assert series["sample", "sample/sequences"] == [(2, 3.0)]
+    assert series["sample", "sample/tokens"] == [(2, 14.0)]
+    assert series["sample", "sample/length_mean"] == [(2, pytest.approx(14 / 3))]
+    assert series["sample", "sample/stop_reason_length"] == [(2, 3.0)]
+    assert series["sample", "sample/stop_reason_stop"] == [(2, 0.0)]
 
 
 def test_a_restarted_run_numbers_its_steps_on_from_where_it_stopped(service_factory) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loraplex.engine.health import health_stats
 from loraplex.engine.logprobs import chunked_token_logprobs, chunked_token_logprobs_backward
 from loraplex.engine.losses import LossBatch, compute_loss, is_per_token_loss, pack_loss_inputs
 from loraplex.engine.types import PassRequest, PassResult
@@ -33,8 +34,9 @@ from loraplex.model.packing import PackedSequences
 
 # Validates one request and returns its resolved loss config, or raises UserError.
 Validator = Callable[[PassRequest], dict[str, float]]
-# A request's detached outputs on the device: per-datum logprobs, per-datum losses, metrics (0-D each).
-_Outputs = tuple[list[Tensor], list[Tensor], dict[str, Tensor]]
+# A request's detached outputs on the device: per-datum logprobs, per-datum losses, metrics and health
+# statistics (0-D each).
+_Outputs = tuple[list[Tensor], list[Tensor], dict[str, Tensor], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,10 @@ def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_traini
     objective: list[Tensor] = []
     per_request: list[_Outputs] = []
     for p, batch in zip(placed, batches, strict=True):
-        loss_T, lps, losses, metrics = _request_outputs(p, batch, lp_TK)
+        outputs = _request_outputs(p, batch, lp_TK)
         if not p.request.forward_only:
-            objective.append(loss_T.sum())
-        per_request.append((lps, losses, metrics))
+            objective.append(outputs[0].sum())
+        per_request.append(outputs[1:])
     if is_training:
         torch.stack(objective).sum().backward()
     return _to_results(per_request)
@@ -141,11 +143,13 @@ def _request_lp(p: _Placed, lp_TK: Tensor, start: int, end: int) -> Tensor:
 
 def _request_outputs(
     p: _Placed, batch: LossBatch, lp_TK: Tensor
-) -> tuple[Tensor, list[Tensor], list[Tensor], dict[str, Tensor]]:
-    """A request's per-token loss (with autograd), and its detached per-datum logprobs, losses and metrics."""
+) -> tuple[Tensor, list[Tensor], list[Tensor], dict[str, Tensor], dict[str, Tensor]]:
+    """A request's per-token loss (with autograd), and its detached per-datum logprobs, losses, metrics
+    and health statistics."""
     lp = _request_lp(p, lp_TK, p.start, p.end)
     loss_T, metrics = compute_loss(p.request.loss_fn, lp, batch, p.config)
-    return loss_T, list(lp.detach().split(batch.lengths)), list(loss_T.detach().split(batch.lengths)), metrics
+    lps, losses = list(lp.detach().split(batch.lengths)), list(loss_T.detach().split(batch.lengths))
+    return loss_T, lps, losses, metrics, health_stats(lp, batch, metrics)
 
 
 def _chunk_objective(
@@ -191,16 +195,22 @@ def _padded_targets(placed: list[_Placed]) -> np.ndarray:
 
 
 def _to_results(per_request: Sequence[_Outputs]) -> list[PassResult]:
-    """Each request's (per-datum logprobs, per-datum losses, metrics) read back to the host in one copy,
-    the pass's one host sync, after all its device work is queued."""
-    tensors = [t for lps, losses, metrics in per_request for t in (*lps, *losses, *metrics.values())]
+    """Each request's (per-datum logprobs, per-datum losses, metrics, health) read back to the host in one
+    copy, the pass's one host sync, after all its device work is queued."""
+    tensors = [
+        t
+        for lps, losses, metrics, health in per_request
+        for t in (*lps, *losses, *metrics.values(), *health.values())
+    ]
     flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().numpy()
     values = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
     results = []
-    for lps, losses, metrics in per_request:
+    for lps, losses, metrics, health in per_request:
         lp_arrays = [next(values).reshape(lp.shape) for lp in lps]
         loss_arrays = [next(values).reshape(loss.shape) for loss in losses]
         pairs = zip(lp_arrays, loss_arrays, strict=True)
         outputs = [{"logprobs": lp, "elementwise_loss": loss} for lp, loss in pairs]
-        results.append(PassResult(outputs, {name: float(next(values)[0]) for name in metrics}))
+        request_metrics = {name: float(next(values)[0]) for name in metrics}
+        request_health = {name: float(next(values)[0]) for name in health}
+        results.append(PassResult(outputs, request_metrics, request_health))
     return results

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from loraplex.engine.health import health_stats
 from loraplex.engine.losses import compute_loss, pack_loss_inputs, resolve_loss_config
 from loraplex.engine.types import PassRequest, PassResult
 
@@ -88,25 +89,32 @@ def piece_requests(requests: Sequence[PassRequest], pieces: list[Piece]) -> list
 def merge_results(
     requests: Sequence[PassRequest], shares: list[list[Piece]], results: list[list[PassResult]]
 ) -> list[PassResult]:
-    """Per request, its pieces' outputs joined in datum order and its metrics recomputed from them."""
+    """Per request, its pieces' outputs joined in datum order and its metrics and health recomputed from
+    them."""
     outputs: list[list[dict[str, np.ndarray]]] = [[] for _ in requests]
     for pieces, rank_results in zip(shares, results, strict=True):
         for piece, result in zip(pieces, rank_results, strict=True):
             outputs[piece.request].extend(result.outputs)
-    return [PassResult(out, request_metrics(r, out)) for r, out in zip(requests, outputs, strict=True)]
+    return [_recomputed(r, out) for r, out in zip(requests, outputs, strict=True)]
 
 
 @torch.no_grad()
-def request_metrics(request: PassRequest, outputs: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    """A request's metrics from its per-datum logprobs, as the single-rank pass computes them.
+def _recomputed(request: PassRequest, outputs: list[dict[str, np.ndarray]]) -> PassResult:
+    """A request's result with its metrics and health recomputed from its per-datum logprobs, as the
+    single-rank pass computes them.
 
-    Semantics: the metrics `passes.run_pass` reports for the whole request. The loss is a pure function
-    of the logprobs and the loss inputs, so recomputing it is exact for every metric, where combining the
-    ranks' metrics would not be (clip_fraction:mean is a mean over counted tokens, not over datums).
+    Semantics: the metrics and health `passes.run_pass` reports for the whole request. Both are pure
+    functions of the logprobs and the loss inputs, so recomputing them is exact, where combining the
+    pieces' would not be (clip_fraction:mean is a mean over counted tokens, logprob_abs_diff_max a maximum).
     """
     config = resolve_loss_config(request.loss_fn, request.loss_fn_config)
     batch = pack_loss_inputs(request.loss_fn, config, [d.loss_fn_inputs for d in request.datums])
     lp = torch.from_numpy(np.concatenate([out["logprobs"] for out in outputs]))
     _, metrics = compute_loss(request.loss_fn, lp, batch, config)
-    values = torch.stack([m.float() for m in metrics.values()]).tolist()
-    return dict(zip(metrics, values, strict=True))
+    health = health_stats(lp, batch, metrics)
+    values = torch.stack([m.float() for m in (*metrics.values(), *health.values())]).tolist()
+    return PassResult(
+        outputs,
+        dict(zip(metrics, values[: len(metrics)], strict=True)),
+        dict(zip(health, values[len(metrics) :], strict=True)),
+    )

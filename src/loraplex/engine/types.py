@@ -72,10 +72,12 @@ class PassRequest:
 
 @dataclass
 class PassResult:
-    """Per-datum outputs in input order, plus request-level metrics keyed `name:reduction`."""
+    """Per-datum outputs in input order, plus request-level metrics keyed `name:reduction`, and the
+    server's own health statistics of the request (engine/health.py), which the client never receives."""
 
     outputs: list[dict[str, np.ndarray]]  # each: logprobs (shape of target_tokens), elementwise_loss (N,)
     metrics: dict[str, float] = field(default_factory=dict)  # at least "loss:sum"
+    health: dict[str, float] = field(default_factory=dict)  # train/tokens, rl/... (docs/METRICS.md)
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,19 @@ UNBOUNDED = Domain(None, None)
 NON_NEGATIVE = Domain(0.0, None)
 FRACTION = Domain(0.0, 1.0)
 
-# A metric's stem: its name after the last "/" (rl/clipped_fraction -> clipped_fraction), without its
+# A metric's stem: its name after the last "/" (rl/clipped_tokens -> clipped_tokens), without its
 # ":reduction" (loss:sum -> loss), split into words at "_". The first rule that matches gives the domain;
 # a name no rule matches (advantage_mean, reward) is unbounded.
 _FIRST_WORD, _LAST_WORD, _ANY_WORD = "first", "last", "any"
 DOMAIN_RULES: tuple[tuple[str, frozenset[str], Domain], ...] = (
     (_LAST_WORD, frozenset({"fraction", "frac"}), FRACTION),
-    (_ANY_WORD, frozenset({"tokens", "length", "lengths", "count", "norm", "entropy"}), NON_NEGATIVE),
+    (
+        _ANY_WORD,
+        frozenset(
+            {"tokens", "length", "lengths", "count", "norm", "entropy", "std", "abs", "sequences", "reason"}
+        ),
+        NON_NEGATIVE,
+    ),
     (_FIRST_WORD, frozenset({"kl", "num", "n", "learning", "lr", "loss", "nll"}), NON_NEGATIVE),
 )
 # Tick counts aimed at: round step sizes give between about half and twice this many.

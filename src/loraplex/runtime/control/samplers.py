@@ -144,7 +144,9 @@ class SamplerService:
                 if first is not None:
                     return self.futures.get(first, tenant)
             raise
-        job = SampleJob(record.id, tenant, job_request, sampler.export_from, export_owner, on_progress)
+        job = SampleJob(
+            record.id, tenant, job_request, sampler.export_from, export_owner, seq_id, on_progress
+        )
         with self.state.cond:
             self.state.samples.add(job, room)
             self.state.cond.notify_all()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
-from loraplex.engine.types import PassRequest, PassResult
+from loraplex.engine.types import PassRequest, PassResult, SampleResult
 from loraplex.errors import CapacityError, ServerError, UserError
 from loraplex.runtime.core.checkpoints import CheckpointPath, DiskLayout, owner_digest
 from loraplex.runtime.core.commands import (
@@ -41,6 +41,7 @@ from loraplex.runtime.core.journal import (
     FORWARD,
     FORWARD_BACKWARD,
     OPTIM_STEP,
+    SAMPLE,
     CheckpointSaved,
     Journal,
     MetricsRecorded,
@@ -52,6 +53,7 @@ from loraplex.runtime.core.journal import (
     SamplerCreated,
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
+from loraplex.runtime.core.sample_history import SnapshotRuns, SnapshotWeights, sample_metrics
 from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob, SampleProgress
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
@@ -96,6 +98,7 @@ class Executor:
         self._write_sizes: dict[tuple[str, str], int] = {}
         # The last record whose call the engine may have to take back, and how.
         self._open: tuple[Receipt, Callable[[], None]] | None = None
+        self._snapshot_runs = SnapshotRuns()  # whose history a request sampling a snapshot goes to
 
     # --- the journal
     def hand_over(self, record: Record, undo: Callable[[], None] | None = None) -> None:
@@ -163,10 +166,12 @@ class Executor:
         had_gradients = [(run, run.pending_gradients) for run, _ in items]
         for (run, entry), result in zip(items, results, strict=True):
             record.outcomes[entry.future_id] = result
-            if isinstance(result, PassResult):
+            cmd = entry.command
+            if isinstance(result, PassResult) and isinstance(cmd, ForwardBackward):
                 record.facts.append(_pass_metrics(run, entry, result))
-                if not entry.command.forward_only:  # type: ignore[union-attr]
+                if not cmd.forward_only:
                     run.pending_gradients = True
+                    self.telemetry.health.record_training(cmd.loss_fn, result.health)
 
         def undo() -> None:
             self.engine.undo_last()
@@ -254,7 +259,9 @@ class Executor:
         if isinstance(cmd, SaveExternal | SaveSnapshot) and cmd.name is not None:
             kind = "external_weights" if isinstance(cmd, SaveExternal) else "sampler_weights"
             path = CheckpointPath(run.run_id, kind, cmd.name)
-            return self._save(run, path, cmd, future_id, self._snapshot_writer(slot, cmd))
+            record = self._save(run, path, cmd, future_id, self._snapshot_writer(slot, cmd))
+            self._note_snapshot(self.layout.checkpoint_dir(path), run)
+            return record
         if isinstance(cmd, SaveSnapshot) and cmd.sampler_id is not None:
             directory = self.layout.snapshot_dir(cmd.sampler_id)
             if directory.exists():  # the control plane checked the sampler id; this catches a copy in flight
@@ -267,9 +274,14 @@ class Executor:
                     lambda: self.engine.save_snapshot(slot, directory),
                 )
             sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
+            self._note_snapshot(directory, run)
             result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
             return Record({future_id: result}, [sampler], written=directory)
         raise ServerError(f"no executor for command {type(cmd).__name__}")
+
+    def _note_snapshot(self, directory: Path, run: RunState) -> None:
+        """`directory` holds the run's weights as of now: requests sampling it go to its history."""
+        self._snapshot_runs.note(directory, SnapshotWeights(run.run_id, run.tenant, run.optim_steps))
 
     def _save(
         self,
@@ -548,18 +560,34 @@ class Executor:
 
     def _finish_samples(self, outcomes: dict[str, Outcome]) -> None:
         with self.state.cond:
+            jobs = [self.state.samples.finish(future_id) for future_id in outcomes]
             for future_id in outcomes:
-                self.state.samples.finish(future_id)
                 self._streams.pop(future_id, None)
-        self.hand_over(Record(outcomes))
+        record = Record(outcomes)
+        # One history row per snapshot for the requests that finished together (usually one request).
+        finished: dict[SnapshotWeights | None, list[tuple[int, SampleResult]]] = {}
+        for job in jobs:
+            result = outcomes[job.future_id]
+            if isinstance(result, SampleResult):
+                weights = self._snapshot_runs.get(job.request.snapshot, job.tenant)
+                finished.setdefault(weights, []).append((job.seq_id, result))
+        for weights, done in finished.items():
+            metrics = sample_metrics([result for _, result in done])
+            self.telemetry.health.record_samples(metrics)
+            if weights is not None:
+                first = min(seq_id for seq_id, _ in done)
+                record.facts.append(MetricsRecorded(weights.run_id, first, weights.step, SAMPLE, metrics))
+        self.hand_over(record)
 
 
 def _pass_metrics(run: RunState, entry: Entry, result: PassResult) -> MetricsRecorded:
-    """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken."""
+    """A forward_backward's metrics belong to the step it feeds; a forward's to the steps taken. The history
+    keeps the client's metrics and the server's health statistics of the request together."""
     assert isinstance(entry.command, ForwardBackward)
+    metrics = {**result.metrics, **result.health}
     if entry.command.forward_only:
-        return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps, FORWARD, result.metrics)
-    return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, FORWARD_BACKWARD, result.metrics)
+        return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps, FORWARD, metrics)
+    return MetricsRecorded(run.run_id, entry.seq_id, run.optim_steps + 1, FORWARD_BACKWARD, metrics)
 
 
 # What saving each kind of checkpoint is called where work in progress is shown (progress.py), and the

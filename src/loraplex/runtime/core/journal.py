@@ -35,19 +35,21 @@ Result = dict[str, Any] | PassResult | SampleResult
 Outcome = Result | BaseException
 
 
-# The kinds of request whose metrics a run's history keeps.
-FORWARD_BACKWARD, FORWARD, OPTIM_STEP = "forward_backward", "forward", "optim_step"
+# The kinds of request whose metrics a run's history keeps (sample: a request of a sampler of the run's
+# weights, core/sample_history.py).
+FORWARD_BACKWARD, FORWARD, OPTIM_STEP, SAMPLE = "forward_backward", "forward", "optim_step", "sample"
 
 
 @dataclass(frozen=True)
 class MetricsRecorded:
     """One request's metrics in its run's history (the console's charts): a forward_backward's or forward's,
-    or an optim_step's. `step` is the optimizer step it belongs to (observability/history.py)."""
+    an optim_step's, or a sample request's. `step` is the optimizer step it belongs to
+    (observability/history.py)."""
 
     run_id: str
-    seq_id: int
+    seq_id: int  # the run's seq_id of the request; sample requests': the first one's on its sampler
     step: int
-    kind: str  # forward_backward | forward | optim_step
+    kind: str  # forward_backward | forward | optim_step | sample
     metrics: Mapping[str, float]
 
 

@@ -74,6 +74,7 @@ class SampleJob:
     request: SampleRequest  # request.snapshot is set: the snapshot directory, or None for the base model
     export_from: CheckpointPath | None = None  # a training checkpoint to export into request.snapshot first
     export_owner: str = ""  # the owner digest stamped into export_from (the engine checks it)
+    seq_id: int = 0  # its seq_id on its sampler (a run's history names it)
     # Called on the engine thread with each step's new tokens when request.streams (a /v1 stream): it must
     # only hand them on, never block.
     on_progress: Callable[[SampleProgress], None] | None = None

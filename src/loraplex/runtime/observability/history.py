@@ -1,5 +1,7 @@
-"""Each run's metric history: every forward_backward's and forward's metrics (loss:sum, ...) and every
-optim_step's (grad_norm, learning_rate), for the web console's charts.
+"""Each run's metric history: every forward_backward's and forward's metrics (loss:sum, ... and the server's
+own health statistics: train/tokens, rl/...), every optim_step's (grad_norm, learning_rate) and every
+request's of a sampler of the run's weights (sample/...), for the web console's charts; docs/METRICS.md
+defines them.
 
 The engine loop puts each finished request's metrics in the record of its engine call (core/journal.py:
 MetricsRecorded), and the writer stores them in the same transaction as the requests' outcomes
@@ -16,16 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loraplex.runtime.control.store import Store
-from loraplex.runtime.core.journal import FORWARD, FORWARD_BACKWARD, OPTIM_STEP
+from loraplex.runtime.core.journal import FORWARD, FORWARD_BACKWARD, OPTIM_STEP, SAMPLE
 
-_KIND_ORDER = (FORWARD_BACKWARD, FORWARD, OPTIM_STEP)
+_KIND_ORDER = (FORWARD_BACKWARD, FORWARD, OPTIM_STEP, SAMPLE)
 
 
 @dataclass(frozen=True)
 class MetricSeries:
     """One metric of one kind of request over a run's steps, oldest first."""
 
-    kind: str  # forward_backward | forward | optim_step
+    kind: str  # forward_backward | forward | optim_step | sample
     name: str  # e.g. loss:sum, grad_norm
     points: tuple[tuple[int, float], ...]  # (step, value); thinned when the run has more than asked for
     total: int  # records of this kind the run's history holds

@@ -17,6 +17,8 @@ API (stable; the console and /metrics read it):
     telemetry.record_sampler_step(duration_s, usage)                    # one sampler step (EngineUsage)
     telemetry.record_usage(usage)                                       # memory / KV cache, ~once a second
     telemetry.record_engine_thread(seconds_by_state)                    # the engine thread's wall time
+    telemetry.health.record_training(loss_fn, health)                   # a forward_backward's health
+    telemetry.health.record_samples(sample_metrics)                     # a finished sampling request
     # fed by the futures, the store and the request observer:
     telemetry.record_outcomes(complete, failed)                  # futures finished; failed: category -> n
     telemetry.record_db_call(op, duration_s)                            # one Store call
@@ -44,6 +46,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from loraplex.engine.interface import EngineUsage
 from loraplex.runtime.core.commands import Command, ForwardBackward, OptimStep
+from loraplex.runtime.observability.health_metrics import HealthMetrics
 from loraplex.runtime.observability.server_snapshot import (
     KvCache,
     Memory,
@@ -220,6 +223,7 @@ class Telemetry:
         self._recent: deque[PassRecord] = deque(maxlen=_RECENT_PASSES)
         self._usage = EngineUsage()  # the engine's last; its token counters are cumulative (engine thread)
         self._define_metrics()
+        self.health = HealthMetrics(self.registry)  # training and sampling health (health_metrics.py)
         self.registry.register(_OccupancyCollector(lambda: self.occupancy_source()))
 
     def _define_metrics(self) -> None:

@@ -182,7 +182,7 @@ class MetricRow(Base):
     # The optimizer step the request belongs to: a forward_backward's is the step it feeds (the run's steps
     # so far + 1), an optim_step's the step it took, a forward's the steps taken before it.
     step: Mapped[int] = mapped_column(BigInteger)
-    kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step
+    kind: Mapped[str] = mapped_column(String(16))  # forward_backward | forward | optim_step | sample
     # Text, not the JSON type: written once, read back whole.
     metrics: Mapped[str] = mapped_column(Text)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
