@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.api.errors import status_of
-from loraplex.errors import AuthenticationError, CapacityError, LoraplexError, UserError
+from loraplex.errors import AuthenticationError, CapacityError, FieldError, LoraplexError, UserError
 from loraplex.runtime.serving.inference import ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
         response = error_response(status, str(error), "model", "model_not_found")
     elif isinstance(error, AuthenticationError):
         response = error_response(status, str(error), None, "invalid_api_key")
+    elif isinstance(error, FieldError):
+        response = error_response(status, str(error), error.field)
     else:
         response = error_response(status, str(error))
     if isinstance(error, UserError):  # the openai client honours it: retrying a bad request fails again

@@ -35,6 +35,12 @@ async def list_models(inference: Inference, tenant: Tenant) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(card) for card in await inference.models(tenant)]}
 
 
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    """OpenAI's models.retrieve: one entry of /v1/models (ids hold slashes: `tinker://...`, aliases)."""
+    return _model_json(await inference.model(tenant, model_id))
+
+
 @router.post("/completions", response_model=None)
 async def completions(
     body: CompletionRequest, inference: Inference, tenant: Tenant, request: Request

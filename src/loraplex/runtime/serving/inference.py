@@ -111,6 +111,14 @@ class InferenceService:
         """The base model, the tenant's sampler checkpoints and its aliases."""
         return await asyncio.to_thread(self._models, tenant)
 
+    async def model(self, tenant: str, model_id: str) -> ModelCard:
+        """The entry of models(tenant) with this id (ModelNotFoundError if there is none)."""
+        cards = await self.models(tenant)
+        card = next((card for card in cards if card.model_id == model_id), None)
+        if card is None:
+            raise ModelNotFoundError(model_id)
+        return card
+
     async def set_alias(self, tenant: str, alias: str, model: str) -> None:
         """Name one of the tenant's checkpoints (an alias of an alias or of the base model is refused)."""
         validate_alias(alias)
