@@ -22,6 +22,7 @@ from loraplex.api.openai.responses import (
 )
 from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
 from loraplex.api.pooled_json import PooledJsonRoute
+from loraplex.errors import FieldError
 from loraplex.runtime.serving.completions import Completion
 from loraplex.runtime.serving.inference import InferenceService, ModelCard
 
@@ -73,9 +74,13 @@ async def _complete(
     tenant: str,
     body: CompletionRequest | ChatCompletionRequest,
 ) -> list[Completion] | None:
-    """The body's completions, or None if the client went away first (its sampling is then cancelled)."""
-    work = inference.complete(tenant, body.to_generation(inference.codec))
-    return await unless_disconnected(request.receive, work)
+    """The body's completions, or None if the client went away first (its sampling is then cancelled). A
+    refused field is named as the body names it."""
+    try:
+        work = inference.complete(tenant, body.to_generation(inference.codec))
+        return await unless_disconnected(request.receive, work)
+    except FieldError as refused:
+        raise FieldError(body.openai_field(refused.field), refused.problem) from refused
 
 
 @router.get("/aliases")

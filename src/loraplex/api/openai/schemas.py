@@ -2,12 +2,14 @@
 
 Unknown parameters are refused (400 naming them), as OpenAI does; parameters this server cannot honour are
 accepted only at their neutral values (penalties 0, no logit_bias, best_of = n, plain-text responses).
-`top_k` is the one extension (vLLM's): -1 or 0 = no limit. No tensors.
+`top_k` is the one extension (vLLM's): -1 or 0 = no limit. A refusal further down (the sampler's checks,
+which name Tinker's fields, and the runtime's) is answered naming the request's own field: `openai_field`.
+No tensors.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,7 +19,6 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from loraplex.runtime.core.sampling import SamplingParams
@@ -101,6 +102,25 @@ class _SamplingRequest(_Body):
             raise ValueError("logit_bias is not supported by this server")
         return value
 
+    # Tinker's fields (the sampler's checks) and the runtime's Generation's, by the field of this request
+    # they come from; either request adds its own (prompt, logprobs).
+    _FIELDS: ClassVar[dict[str, str]] = {
+        "num_samples": "n",
+        "n": "n",
+        "sampling_params.temperature": "temperature",
+        "sampling_params.top_k": "top_k",
+        "sampling_params.top_p": "top_p",
+        "sampling_params.seed": "seed",
+        "sampling_params.stop": "stop",
+    }
+
+    def openai_field(self, field: str) -> str:
+        """This request's name for a field the sampler or the runtime refused (unknown names kept)."""
+        return self._FIELDS.get(field) or self._own_fields().get(field) or field
+
+    def _own_fields(self) -> dict[str, str]:
+        raise NotImplementedError
+
     @property
     def includes_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
@@ -136,11 +156,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix (insertion) is not supported by this server")
         return value
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n"):
             raise ValueError("best_of is not supported by this server; leave it out or equal to n")
-        return self
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -148,6 +169,14 @@ class CompletionRequest(_SamplingRequest):
         if value == []:
             raise ValueError("give at least one prompt")
         return value
+
+    def _own_fields(self) -> dict[str, str]:
+        return {
+            "prompt": "prompt",
+            "sampling_params.max_tokens": "max_tokens",
+            "topk_prompt_logprobs": "logprobs",
+            "top_logprobs": "logprobs",
+        }
 
     def to_generation(self, codec: TextCodec) -> Generation:
         """The request in the sampler's terms (string prompts tokenized with the model's tokenizer)."""
@@ -220,11 +249,21 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
+
+    def _own_fields(self) -> dict[str, str]:
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {
+            "prompt": "messages",
+            "sampling_params.max_tokens": max_tokens,
+            "topk_prompt_logprobs": "top_logprobs",
+            "top_logprobs": "top_logprobs",
+        }
 
     def to_generation(self, codec: TextCodec) -> Generation:
         """The request in the sampler's terms: the messages rendered with the model's chat template."""

@@ -15,7 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from loraplex.errors import UserError
+from loraplex.errors import FieldError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -57,7 +57,7 @@ class ChatTemplate:
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
             )
         except TemplateError as exc:
-            raise UserError(f"the model's chat template refused these messages: {exc}") from exc
+            raise FieldError("messages", f"were refused by the model's chat template: {exc}") from exc
 
 
 def _template_source(tokenizer_dir: Path, config: dict[str, Any]) -> str | None:
