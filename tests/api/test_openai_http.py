@@ -90,12 +90,17 @@ def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClie
     )
     # A prompt's form is read from its first item: a later item of another form is named.
     assert _post(http, "/v1/completions", {**base, "prompt": [1, "a"]}, headers) == _error(
-        400,
-        "prompt.ids.1: Input should be a valid integer, unable to parse string as an integer",
-        "prompt.ids.1",
+        400, "prompt.1: Input should be a valid integer, unable to parse string as an integer", "prompt.1"
     )
     assert _post(http, "/v1/completions", {**base, "prompt": ["a", [1]]}, headers) == _error(
-        400, "prompt.texts.1: Input should be a valid string", "prompt.texts.1"
+        400, "prompt.1: Input should be a valid string", "prompt.1"
+    )
+    assert _post(http, "/v1/completions", {**base, "stop": 5}, headers) == _error(
+        400, "stop: give a string or a list of strings", "stop"
+    )
+    no_text = {"role": "user", "content": [{"type": "text"}]}
+    assert _post(http, "/v1/chat/completions", {"model": MODEL, "messages": [no_text]}, headers) == _error(
+        400, "messages.0.content.0.text: Field required", "messages.0.content.0.text"
     )
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert _post(http, "/v1/chat/completions", {"model": MODEL, "messages": [image]}, headers) == _error(

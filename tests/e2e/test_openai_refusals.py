@@ -67,6 +67,7 @@ def test_completions_refusals_of_the_sampler_name_the_openai_field(v1: openai.Op
         f"prompt has token id {VOCAB}, outside the vocabulary [0, {VOCAB})",
     )
     assert refused(stop=["", "x"]) == ("stop", "stop has an empty stop string")
+    assert refused(temperature="inf") == ("temperature", "temperature must be a finite number ≥ 0, got inf")
     assert refused(max_tokens=300) == (  # (2 + 300) tokens x 4096 bytes: over --max-sample-kv-mib 1
         "max_tokens",
         "max_tokens 300 needs 1236992 bytes of KV cache ((prompt 2 + 300 new tokens) × 1 samples × 4096 "

@@ -70,11 +70,16 @@ async def _invalid_body(_request: Request, error: Exception) -> JSONResponse:
     first = error.errors()[0]
     if first["type"] == "json_invalid":  # its loc is a character offset, not a parameter
         return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}")
-    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+    # A union's form tags (<text>, schemas.py) are pydantic's, not fields of the request.
+    param = ".".join(str(part) for part in first["loc"] if part != "body" and not _is_form_tag(part)) or None
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix to our validators' messages
     if first["type"] == "extra_forbidden":
         message = "this server does not support this parameter"
     return error_response(400, f"{param}: {message}" if param else message, param)
+
+
+def _is_form_tag(part: str | int) -> bool:
+    return isinstance(part, str) and part.startswith("<") and part.endswith(">")
 
 
 async def _http_error(request: Request, error: Exception) -> JSONResponse:

@@ -29,32 +29,54 @@ MAX_TOP_LOGPROBS = 20  # as vLLM; OpenAI allows 5 (completions) and 20 (chat)
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+# A union's forms are told apart by their first item or their type (pydantic's Discriminator), and tagged
+# in angle brackets: pydantic puts the tag in an error's location, and errors.py leaves such parts out of
+# the `param` it answers, which names the request's own field as OpenAI does (`prompt.1`, not a form).
+
+
 def _prompt_form(value: Any) -> str | None:
     """Which form a prompt takes (None: none), read from its first item. Tried in turn as a plain union,
     each wrong form fails on every item of a long prompt: 100k token ids cost 12 ms of validation, held
     on the event loop, where validating them as the form they are takes 1 ms."""
     if isinstance(value, str):
-        return "text"
+        return "<text>"
     if not isinstance(value, list):
         return None  # refused with the message below
     if not value:
-        return "ids"  # then refused by _some_prompt
+        return "<ids>"  # then refused by _some_prompt
     first = value[0]
     if isinstance(first, str):
-        return "texts"
-    return "id_lists" if isinstance(first, list) else "ids"
+        return "<texts>"
+    return "<id lists>" if isinstance(first, list) else "<ids>"
 
 
 # One text, texts, one prompt's token ids, or several prompts' token ids.
 Prompt = Annotated[
-    Annotated[str, Tag("text")]
-    | Annotated[list[str], Tag("texts")]
-    | Annotated[list[int], Tag("ids")]
-    | Annotated[list[list[int]], Tag("id_lists")],
+    Annotated[str, Tag("<text>")]
+    | Annotated[list[str], Tag("<texts>")]
+    | Annotated[list[int], Tag("<ids>")]
+    | Annotated[list[list[int]], Tag("<id lists>")],
     Discriminator(
         _prompt_form,
         custom_error_type="prompt_form",
         custom_error_message="give a text, a list of texts, a list of token ids or a list of such lists",
+    ),
+]
+
+
+def _text_or_list(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<text>"
+    return "<list>" if isinstance(value, list) else None  # None: refused with the union's message
+
+
+# `stop`: one string or several.
+StopStrings = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[str], Tag("<list>")],
+    Discriminator(
+        _text_or_list,
+        custom_error_type="stop_form",
+        custom_error_message="give a string or a list of strings",
     ),
 ]
 
@@ -80,7 +102,7 @@ class _SamplingRequest(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -206,13 +228,24 @@ class TextPart(_Body):
     text: str
 
 
+# A message's content: one text or a list of text parts.
+Content = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[TextPart], Tag("<list>")],
+    Discriminator(
+        _text_or_list,
+        custom_error_type="content_form",
+        custom_error_message="give a string or a list of text parts",
+    ),
+]
+
+
 class ChatMessage(BaseModel):
     """One message; fields beyond role and content (name, tool_calls, ...) reach the chat template as is."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
 
     @field_validator("content", mode="before")
     @classmethod
