@@ -81,7 +81,9 @@ StopStrings = Annotated[
 ]
 
 
-class _Body(BaseModel):
+class StrictBody(BaseModel):
+    """A request body that refuses unknown parameters (400 naming them), as OpenAI's API does."""
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -93,7 +95,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(StrictBody):
     """The parameters completions and chat completions share."""
 
     model: str
@@ -141,6 +143,7 @@ class _SamplingRequest(_Body):
         return self._FIELDS.get(field) or self._own_fields().get(field) or field
 
     def _own_fields(self) -> dict[str, str]:
+        """The names that differ between completions and chat (each request class has its own)."""
         raise NotImplementedError
 
     @property
@@ -221,7 +224,7 @@ class CompletionRequest(_SamplingRequest):
         return [codec.encode(item) if isinstance(item, str) else list(item) for item in items]
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     """A text part of a message's content (the only kind of part served)."""
 
     type: Literal["text"]
@@ -266,7 +269,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     """`response_format`: plain text only (no JSON mode or schemas)."""
 
     type: Literal["text"]
@@ -311,7 +314,7 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
 
-class AliasRequest(_Body):
+class AliasRequest(StrictBody):
     """POST /v1/aliases: name one of your checkpoints."""
 
     alias: str

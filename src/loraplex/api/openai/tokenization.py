@@ -15,7 +15,7 @@ from fastapi import APIRouter
 from pydantic import Field, ValidationInfo, field_validator
 
 from loraplex.api.openai.auth import Inference, Tenant
-from loraplex.api.openai.schemas import ChatMessage, _Body
+from loraplex.api.openai.schemas import ChatMessage, StrictBody
 from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.errors import FieldError
 from loraplex.runtime.serving.inference import InferenceService
@@ -27,7 +27,7 @@ router = APIRouter(route_class=PooledJsonRoute)
 ROOT_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(StrictBody):
     """POST /tokenize: vLLM's TokenizeCompletionRequest (a prompt) or TokenizeChatRequest (messages,
     rendered by the model's chat template), told apart as vLLM tells them: by which of the two is given."""
 
@@ -64,7 +64,7 @@ class TokenizeRequest(_Body):
         return codec.encode(self.prompt, self.add_special_tokens is not False)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(StrictBody):
     """POST /detokenize."""
 
     model: str | None = None
