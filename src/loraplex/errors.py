@@ -41,3 +41,12 @@ class CapacityError(LoraplexError):
 
 class ServerError(LoraplexError, RuntimeError):
     """Something broke inside the service; the request itself may have been fine."""
+
+
+class FieldError(UserError):
+    """Bad input in one named field of the request (400). `problem` reads after the field's name, so an API
+    whose fields have other names (the OpenAI-compatible one) words the same refusal in its own names."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field} {problem}")
+        self.field, self.problem = field, problem

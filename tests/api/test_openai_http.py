@@ -90,12 +90,17 @@ def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClie
     )
     # A prompt's form is read from its first item: a later item of another form is named.
     assert _post(http, "/v1/completions", {**base, "prompt": [1, "a"]}, headers) == _error(
-        400,
-        "prompt.ids.1: Input should be a valid integer, unable to parse string as an integer",
-        "prompt.ids.1",
+        400, "prompt.1: Input should be a valid integer, unable to parse string as an integer", "prompt.1"
     )
     assert _post(http, "/v1/completions", {**base, "prompt": ["a", [1]]}, headers) == _error(
-        400, "prompt.texts.1: Input should be a valid string", "prompt.texts.1"
+        400, "prompt.1: Input should be a valid string", "prompt.1"
+    )
+    assert _post(http, "/v1/completions", {**base, "stop": 5}, headers) == _error(
+        400, "stop: give a string or a list of strings", "stop"
+    )
+    no_text = {"role": "user", "content": [{"type": "text"}]}
+    assert _post(http, "/v1/chat/completions", {"model": MODEL, "messages": [no_text]}, headers) == _error(
+        400, "messages.0.content.0.text: Field required", "messages.0.content.0.text"
     )
     image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert _post(http, "/v1/chat/completions", {"model": MODEL, "messages": [image]}, headers) == _error(
@@ -108,7 +113,7 @@ def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClie
     assert (broken.status_code, broken.json()) == _error(400, "the body is not valid JSON: Expecting value")
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
     assert _post(http, "/v1/chat/completions", chat, headers) == _error(
-        400, "top_logprobs needs logprobs: true"
+        400, "top_logprobs: top_logprobs needs logprobs: true", "top_logprobs"
     )
     assert _post(http, "/v1/completions", {**base, "model": "gpt-4o"}, headers) == _error(
         404, "The model 'gpt-4o' does not exist or you do not have access to it.", "model", "model_not_found"
@@ -117,8 +122,15 @@ def test_parameters_this_server_cannot_honour_are_400_naming_them(http: TestClie
         http, "/v1/aliases", {"alias": "a:b", "model": "tinker://r/sampler_weights/x"}, headers
     ) == _error(
         400,
-        "invalid alias 'a:b': use 1-128 characters from A-Z a-z 0-9 _ . - /, "
+        "alias 'a:b' is invalid: use 1-128 characters from A-Z a-z 0-9 _ . - /, "
         "starting with a letter, digit or '_'",
+        "alias",
+    )
+    assert _post(http, "/v1/aliases", {"alias": MODEL, "model": "tinker://r/sampler_weights/x"}, headers) == (
+        _error(400, f"alias {MODEL!r} is the base model's name", "alias")
+    )
+    assert _post(http, "/v1/aliases", {"alias": "mine", "model": MODEL}, headers) == _error(
+        400, f"model of an alias must be a tinker:// checkpoint path, not {MODEL!r}", "model"
     )
 
 
@@ -203,11 +215,17 @@ def test_more_prompts_times_n_than_the_queue_holds_is_a_400_before_anything_is_q
     with TestClient(create_app(service)) as http:
         assert _post(http, "/v1/completions", body) == _error(
             400,
-            "3 prompts x n=2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); "
-            "send fewer prompts or a smaller n",
+            "n is 2: 3 prompts x 2 = 6 samples, over the 4 this server queues at once "
+            "(--max-queued-samples); send fewer prompts or a smaller n",
+            "n",
         )
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}
-        assert _post(http, "/v1/chat/completions", chat)[0] == 400
+        assert _post(http, "/v1/chat/completions", chat) == _error(
+            400,
+            "n is 5: 1 prompts x 5 = 5 samples, over the 4 this server queues at once "
+            "(--max-queued-samples); send fewer prompts or a smaller n",
+            "n",
+        )
     assert service.store.recent_futures(["local"], 10) == []
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tinker
 
-from tests.e2e.sdk import PHRASE, client, create_key, logprobs, new_run, rl_datum, sft_datum
+from tests.e2e.sdk import PHRASE, base_model, client, create_key, logprobs, new_run, rl_datum, sft_datum
 
 N = len(PHRASE) - 1
 
@@ -63,6 +63,28 @@ def test_a_malformed_forward_backward_fails_alone_with_a_user_error_naming_the_p
     message = _user_error(run.forward_backward(make_data(), loss_fn, config))
     assert mentioned in message
     np.testing.assert_array_equal(logprobs(run), before)  # the run still answers, and nothing changed
+
+
+DIMUON_REFUSED = (
+    "the 'dimuon' optimizer is not supported by this server, only AdamW: create the run with "
+    'optimizer_config {"type": "adamw"} (the default) and step it with adam_params'
+)
+
+
+def test_the_sdks_dimuon_optimizer_is_refused_by_name_at_create_and_at_optim_step(module_server, run) -> None:
+    service = client(module_server)
+    dimuon = tinker.types.DimuonOptimizerConfig()
+    with pytest.raises(tinker.UnprocessableEntityError) as refused:  # 422: the SDK does not retry it
+        service.create_lora_training_client(base_model=base_model(module_server), optimizer=dimuon).result()
+    assert refused.value.body == {
+        "detail": f"invalid request body: body.optimizer_config: Value error, {DIMUON_REFUSED}"
+    }
+    before = logprobs(run)
+    step = run.optim_step(tinker.types.DimuonParams(learning_rate=1e-3))
+    assert _user_error(step).startswith(
+        f"Request failed: invalid request body: optimizer_params: Value error, {DIMUON_REFUSED} for "
+    )
+    np.testing.assert_array_equal(logprobs(run), before)
 
 
 def test_saving_under_an_existing_name_without_overwrite_is_a_user_error(run) -> None:

@@ -82,9 +82,9 @@ def test_a_request_needing_more_kv_cache_than_one_request_may_have_is_refused(en
     with pytest.raises(UserError) as refused:
         engine.add_sample("big", _greedy(3, 62, num_samples=4))
     assert str(refused.value) == (
-        "this request needs 1064960 bytes of KV cache ((prompt 3 + max_tokens 62) × num_samples 4 × 4096 "
-        "bytes per token), over the 1048576 bytes (1 MiB) this server allows one request "
-        "(--max-sample-kv-mib); lower max_tokens or num_samples"
+        "sampling_params.max_tokens 62 needs 1064960 bytes of KV cache ((prompt 3 + 62 new tokens) × 4 "
+        "samples × 4096 bytes per token), over the 1048576 bytes (1 MiB) this server allows one request "
+        "(--max-sample-kv-mib); lower it or the number of samples"
     )
     assert not engine.has_sampling_work()
 

@@ -204,11 +204,12 @@ def test_more_samples_than_the_queue_holds_are_refused_whole_before_anything_is_
     with pytest.raises(UserError) as refused:
         asyncio.run(inference.complete("local", generation))
     assert str(refused.value) == (
-        "3 prompts x n=2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); send "
-        "fewer prompts or a smaller n"
+        "n is 2: 3 prompts x 2 = 6 samples, over the 4 this server queues at once (--max-queued-samples); "
+        "send fewer prompts or a smaller n"
     )
     scored = Generation(model="fake/bigram", prompts=[PROMPT], params=PARAMS, n=3, top_logprobs=1)
-    with pytest.raises(UserError, match=r"1 prompts x n=3 x 2 \(top logprobs score each choice once more\)"):
+    twice = r"n is 3: 1 prompts x 3 x 2 \(top logprobs score each choice once more\)"
+    with pytest.raises(UserError, match=twice):
         asyncio.run(inference.complete("local", scored))
     assert (service.state.samples.queued_samples, engine.sample_queue) == (0, [])
     assert service.store.recent_futures(["local"], 10) == []

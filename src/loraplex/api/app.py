@@ -24,6 +24,7 @@ from loraplex.api.limits import BodyLimit, RequestLimits
 from loraplex.api.metrics import Metrics
 from loraplex.api.metrics import router as metrics_router
 from loraplex.api.openai.app import create_openai_app
+from loraplex.api.openai.tokenization import ROOT_PATHS as TOKENIZER_PATHS
 from loraplex.api.request_log import RequestObserver
 from loraplex.api.tinker import (
     downloads,
@@ -128,7 +129,12 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     app.include_router(unsupported.fallback, prefix="/api/v1")
     app.include_router(metrics_router)
     app.include_router(console_router)
-    app.mount("/v1", create_openai_app(runtime.inference, runtime.tenants, codecs))
+    openai_app = create_openai_app(runtime.inference, runtime.tenants, codecs)
+    app.mount("/v1", openai_app)
+    # vLLM serves its tokenizer routes at the root, where lm-evaluation-harness looks for them: each path
+    # goes to the /v1 app as is, which answers it with OpenAI's error bodies.
+    for path in TOKENIZER_PATHS:
+        app.router.add_route(path, openai_app, include_in_schema=False)
     build_route_tables(app)
     return app
 

@@ -25,11 +25,21 @@ from loraplex.config import ServerConfig
 MIB = 1 << 20
 # Protobuf bodies; every other route reads JSON.
 FORWARD_PATHS = frozenset({"/api/v1/forward_backward", "/api/v1/forward"})
-# JSON bodies that may be large: prompts (and the SDK's telemetry batches, which this server never reads).
+# JSON bodies that may be large: prompts, texts to tokenize and tokens to detokenize (and the SDK's
+# telemetry batches, which this server never reads).
 # Every other route's fields are bounded by the operator's limits, so its body is too (small_json_body_bytes):
 # a JSON parse holds the GIL, even off the event loop, about 50 ms a MiB on a busy 2-core host.
 LARGE_JSON_PATHS = frozenset(
-    {"/api/v1/asample", "/v1/completions", "/v1/chat/completions", "/api/v1/telemetry"}
+    {
+        "/api/v1/asample",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+        "/v1/tokenize",
+        "/v1/detokenize",
+        "/api/v1/telemetry",
+    }
 )
 # JSON escapes a byte of text into at most 6 (\u0001); a body holds user_metadata and a display name, each
 # bounded by --max-metadata-bytes, and fields of a few hundred bytes besides.

@@ -7,6 +7,7 @@ from fastapi import FastAPI
 
 from loraplex.api.openai.errors import install_error_handlers
 from loraplex.api.openai.routes import router
+from loraplex.api.openai.tokenization import router as tokenization_router
 from loraplex.api.tinker.codec_pool import CodecPool
 from loraplex.runtime.control.keys import TenantResolver
 from loraplex.runtime.serving.inference import InferenceService
@@ -18,4 +19,5 @@ def create_openai_app(inference: InferenceService, tenants: TenantResolver, code
     app.state.inference, app.state.tenants, app.state.codecs = inference, tenants, codecs
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(tokenization_router)
     return app

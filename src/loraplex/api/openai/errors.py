@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from loraplex.api.errors import status_of
-from loraplex.errors import AuthenticationError, CapacityError, LoraplexError, UserError
+from loraplex.errors import AuthenticationError, CapacityError, FieldError, LoraplexError, UserError
 from loraplex.runtime.serving.inference import ModelNotFoundError
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ async def _loraplex_error(_request: Request, error: Exception) -> JSONResponse:
         response = error_response(status, str(error), "model", "model_not_found")
     elif isinstance(error, AuthenticationError):
         response = error_response(status, str(error), None, "invalid_api_key")
+    elif isinstance(error, FieldError):
+        response = error_response(status, str(error), error.field)
     else:
         response = error_response(status, str(error))
     if isinstance(error, UserError):  # the openai client honours it: retrying a bad request fails again
@@ -82,11 +84,16 @@ async def _invalid_body(_request: Request, error: Exception) -> JSONResponse:
     first = error.errors()[0]
     if first["type"] == "json_invalid":  # its loc is a character offset, not a parameter
         return error_response(400, f"the body is not valid JSON: {first['ctx']['error']}")
-    param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+    # A union's form tags (<text>, schemas.py) are pydantic's, not fields of the request.
+    param = ".".join(str(part) for part in first["loc"] if part != "body" and not _is_form_tag(part)) or None
     message = first["msg"].removeprefix("Value error, ")  # pydantic's prefix to our validators' messages
     if first["type"] == "extra_forbidden":
         message = "this server does not support this parameter"
     return error_response(400, f"{param}: {message}" if param else message, param)
+
+
+def _is_form_tag(part: str | int) -> bool:
+    return isinstance(part, str) and part.startswith("<") and part.endswith(">")
 
 
 async def _http_error(request: Request, error: Exception) -> JSONResponse:

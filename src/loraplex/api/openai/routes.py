@@ -22,6 +22,7 @@ from loraplex.api.openai.responses import (
 )
 from loraplex.api.openai.schemas import AliasRequest, ChatCompletionRequest, CompletionRequest
 from loraplex.api.pooled_json import PooledJsonRoute
+from loraplex.errors import FieldError
 from loraplex.runtime.serving.completions import Completion
 from loraplex.runtime.serving.inference import InferenceService, ModelCard
 from loraplex.runtime.serving.streaming import LiveGeneration
@@ -34,6 +35,12 @@ _SSE = "text/event-stream"
 @router.get("/models")
 async def list_models(inference: Inference, tenant: Tenant) -> dict[str, Any]:
     return {"object": "list", "data": [_model_json(card) for card in await inference.models(tenant)]}
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(model_id: str, inference: Inference, tenant: Tenant) -> dict[str, Any]:
+    """OpenAI's models.retrieve: one entry of /v1/models (ids hold slashes: `tinker://...`, aliases)."""
+    return _model_json(await inference.model(tenant, model_id))
 
 
 @router.post("/completions", response_model=None)
@@ -72,9 +79,13 @@ async def _complete(
     tenant: str,
     body: CompletionRequest | ChatCompletionRequest,
 ) -> list[Completion] | None:
-    """The body's completions, or None if the client went away first (its sampling is then cancelled)."""
-    work = inference.complete(tenant, body.to_generation(inference.codec))
-    return await unless_disconnected(request.receive, work)
+    """The body's completions, or None if the client went away first (its sampling is then cancelled). A
+    refused field is named as the body names it."""
+    try:
+        work = inference.complete(tenant, body.to_generation(inference.codec))
+        return await unless_disconnected(request.receive, work)
+    except FieldError as refused:
+        raise FieldError(body.openai_field(refused.field), refused.problem) from refused
 
 
 async def _start(

@@ -2,12 +2,14 @@
 
 Unknown parameters are refused (400 naming them), as OpenAI does; parameters this server cannot honour are
 accepted only at their neutral values (penalties 0, no logit_bias, best_of = n, plain-text responses).
-`top_k` is the one extension (vLLM's): -1 or 0 = no limit. No tensors.
+`top_k` is the one extension (vLLM's): -1 or 0 = no limit. A refusal further down (the sampler's checks,
+which name Tinker's fields, and the runtime's) is answered naming the request's own field: `openai_field`.
+No tensors.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,7 +19,6 @@ from pydantic import (
     Tag,
     ValidationInfo,
     field_validator,
-    model_validator,
 )
 
 from loraplex.runtime.core.sampling import SamplingParams
@@ -28,28 +29,33 @@ MAX_TOP_LOGPROBS = 20  # as vLLM; OpenAI allows 5 (completions) and 20 (chat)
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
+# A union's forms are told apart by their first item or their type (pydantic's Discriminator), and tagged
+# in angle brackets: pydantic puts the tag in an error's location, and errors.py leaves such parts out of
+# the `param` it answers, which names the request's own field as OpenAI does (`prompt.1`, not a form).
+
+
 def _prompt_form(value: Any) -> str | None:
     """Which form a prompt takes (None: none), read from its first item. Tried in turn as a plain union,
     each wrong form fails on every item of a long prompt: 100k token ids cost 12 ms of validation, held
     on the event loop, where validating them as the form they are takes 1 ms."""
     if isinstance(value, str):
-        return "text"
+        return "<text>"
     if not isinstance(value, list):
         return None  # refused with the message below
     if not value:
-        return "ids"  # then refused by _some_prompt
+        return "<ids>"  # then refused by _some_prompt
     first = value[0]
     if isinstance(first, str):
-        return "texts"
-    return "id_lists" if isinstance(first, list) else "ids"
+        return "<texts>"
+    return "<id lists>" if isinstance(first, list) else "<ids>"
 
 
 # One text, texts, one prompt's token ids, or several prompts' token ids.
 Prompt = Annotated[
-    Annotated[str, Tag("text")]
-    | Annotated[list[str], Tag("texts")]
-    | Annotated[list[int], Tag("ids")]
-    | Annotated[list[list[int]], Tag("id_lists")],
+    Annotated[str, Tag("<text>")]
+    | Annotated[list[str], Tag("<texts>")]
+    | Annotated[list[int], Tag("<ids>")]
+    | Annotated[list[list[int]], Tag("<id lists>")],
     Discriminator(
         _prompt_form,
         custom_error_type="prompt_form",
@@ -58,7 +64,26 @@ Prompt = Annotated[
 ]
 
 
-class _Body(BaseModel):
+def _text_or_list(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<text>"
+    return "<list>" if isinstance(value, list) else None  # None: refused with the union's message
+
+
+# `stop`: one string or several.
+StopStrings = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[str], Tag("<list>")],
+    Discriminator(
+        _text_or_list,
+        custom_error_type="stop_form",
+        custom_error_message="give a string or a list of strings",
+    ),
+]
+
+
+class StrictBody(BaseModel):
+    """A request body that refuses unknown parameters (400 naming them), as OpenAI's API does."""
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -70,7 +95,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(StrictBody):
     """The parameters completions and chat completions share."""
 
     model: str
@@ -79,7 +104,7 @@ class _SamplingRequest(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
@@ -100,6 +125,26 @@ class _SamplingRequest(_Body):
         if value:
             raise ValueError("logit_bias is not supported by this server")
         return value
+
+    # Tinker's fields (the sampler's checks) and the runtime's Generation's, by the field of this request
+    # they come from; either request adds its own (prompt, logprobs).
+    _FIELDS: ClassVar[dict[str, str]] = {
+        "num_samples": "n",
+        "n": "n",
+        "sampling_params.temperature": "temperature",
+        "sampling_params.top_k": "top_k",
+        "sampling_params.top_p": "top_p",
+        "sampling_params.seed": "seed",
+        "sampling_params.stop": "stop",
+    }
+
+    def openai_field(self, field: str) -> str:
+        """This request's name for a field the sampler or the runtime refused (unknown names kept)."""
+        return self._FIELDS.get(field) or self._own_fields().get(field) or field
+
+    def _own_fields(self) -> dict[str, str]:
+        """The names that differ between completions and chat (each request class has its own)."""
+        raise NotImplementedError
 
     @property
     def includes_usage(self) -> bool:
@@ -136,11 +181,12 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("suffix (insertion) is not supported by this server")
         return value
 
-    @model_validator(mode="after")
-    def _best_of_is_n(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n"):
             raise ValueError("best_of is not supported by this server; leave it out or equal to n")
-        return self
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -148,6 +194,14 @@ class CompletionRequest(_SamplingRequest):
         if value == []:
             raise ValueError("give at least one prompt")
         return value
+
+    def _own_fields(self) -> dict[str, str]:
+        return {
+            "prompt": "prompt",
+            "sampling_params.max_tokens": "max_tokens",
+            "topk_prompt_logprobs": "logprobs",
+            "top_logprobs": "logprobs",
+        }
 
     def to_generation(self, codec: TextCodec) -> Generation:
         """The request in the sampler's terms (string prompts tokenized with the model's tokenizer)."""
@@ -170,11 +224,22 @@ class CompletionRequest(_SamplingRequest):
         return [codec.encode(item) if isinstance(item, str) else list(item) for item in items]
 
 
-class TextPart(_Body):
+class TextPart(StrictBody):
     """A text part of a message's content (the only kind of part served)."""
 
     type: Literal["text"]
     text: str
+
+
+# A message's content: one text or a list of text parts.
+Content = Annotated[
+    Annotated[str, Tag("<text>")] | Annotated[list[TextPart], Tag("<list>")],
+    Discriminator(
+        _text_or_list,
+        custom_error_type="content_form",
+        custom_error_message="give a string or a list of text parts",
+    ),
+]
 
 
 class ChatMessage(BaseModel):
@@ -183,7 +248,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Content | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -204,7 +269,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     """`response_format`: plain text only (no JSON mode or schemas)."""
 
     type: Literal["text"]
@@ -220,11 +285,21 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
+
+    def _own_fields(self) -> dict[str, str]:
+        max_tokens = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return {
+            "prompt": "messages",
+            "sampling_params.max_tokens": max_tokens,
+            "topk_prompt_logprobs": "top_logprobs",
+            "top_logprobs": "top_logprobs",
+        }
 
     def to_generation(self, codec: TextCodec) -> Generation:
         """The request in the sampler's terms: the messages rendered with the model's chat template."""
@@ -239,7 +314,7 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
 
-class AliasRequest(_Body):
+class AliasRequest(StrictBody):
     """POST /v1/aliases: name one of your checkpoints."""
 
     alias: str

@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     field_validator,
+    model_validator,
 )
 
 from loraplex.api.limits import current_limits
@@ -185,8 +186,25 @@ class WireLoraConfig(WireModel):
     train_attn: bool = True
 
 
+_ADAMW_ONLY = (
+    'only AdamW: create the run with optimizer_config {"type": "adamw"} (the default) and step '
+    "it with adam_params"
+)
+
+
+def _adamw_only(value: Any) -> Any:
+    """Refuse another optimizer family (the SDK's Dimuon) by its name, before its fields are read as
+    AdamW's and refused one by one as unknown."""
+    kind = value.get("type", "adamw") if isinstance(value, dict) else "adamw"
+    if kind != "adamw":
+        raise ValueError(f"the {kind!r} optimizer is not supported by this server, {_ADAMW_ONLY}")
+    return value
+
+
 class OptimizerConfig(WireModel):
-    type: Literal["adamw"] = "adamw"  # Dimuon is refused here, with a 422 naming the field
+    type: Literal["adamw"] = "adamw"
+
+    _adamw_only = model_validator(mode="before")(_adamw_only)
 
 
 class CreateModelRequest(WireModel):
@@ -235,6 +253,7 @@ class ModelRequest(WireModel):
 
 class WireAdamParams(WireModel):
     model_config = ConfigDict(extra="forbid")  # a misspelled hyperparameter must not be silently dropped
+    _adamw_only = model_validator(mode="before")(_adamw_only)  # DimuonParams carry their type
 
     learning_rate: float = Field(1e-4, ge=0, allow_inf_nan=False)
     beta1: float = Field(0.9, ge=0, lt=1)

@@ -1,8 +1,9 @@
 """Checking a SampleRequest before it is queued: every field against what the model can serve and what
 the operator allows one request (SamplingLimits).
 
-Cheap (numpy and a few file stats, no torch) and side-effect free; each error names the Tinker field,
-the value and what is allowed. Engine code: no HTTP, no SQL.
+Cheap (numpy and a few file stats, no torch) and side-effect free; each error is a FieldError naming the
+Tinker field, the value and what is allowed (the OpenAI-compatible API renames the field to its own).
+Engine code: no HTTP, no SQL.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from loraplex.engine.snapshots import CONFIG_FILE
 from loraplex.engine.types import SampleRequest
-from loraplex.errors import NotFoundError, UserError
+from loraplex.errors import FieldError, NotFoundError
 
 # max_tokens when a request leaves it out (Tinker's client does when None), capped by the context left.
 DEFAULT_MAX_TOKENS = 128
@@ -56,20 +57,21 @@ def resolved_max_tokens(request: SampleRequest, max_context_length: int) -> int:
 
 
 def validate_sample_request(request: SampleRequest, limits: ModelLimits) -> None:
-    """Raise UserError naming the first field that this model cannot serve; touches no state."""
+    """Raise FieldError naming the first field that this model cannot serve; touches no state."""
     prompt = np.asarray(request.prompt)
     if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-        raise UserError("prompt must be a 1-D list of integer token ids")
+        raise FieldError("prompt", "must be a 1-D list of integer token ids")
     if not 1 <= len(prompt) < limits.max_context_length:
-        raise UserError(
-            f"prompt has {len(prompt)} tokens; expected 1..{limits.max_context_length - 1} so that at least "
-            f"one token fits the model's context length {limits.max_context_length}"
+        raise FieldError(
+            "prompt",
+            f"has {len(prompt)} tokens; expected 1..{limits.max_context_length - 1} so that at least "
+            f"one token fits the model's context length {limits.max_context_length}",
         )
     _check_ids("prompt", prompt, limits.vocab_size)
     _check_int("num_samples", request.num_samples, 1, limits.max_samples)
     _check_params(request, len(prompt), limits)
     if not isinstance(request.prompt_logprobs, bool):
-        raise UserError(f"prompt_logprobs must be true or false, got {request.prompt_logprobs!r}")
+        raise FieldError("prompt_logprobs", f"must be true or false, got {request.prompt_logprobs!r}")
     prompt_cap = limits.sampling.max_topk_prompt_logprobs, "--max-topk-prompt-logprobs"
     _check_width("topk_prompt_logprobs", request.topk_prompt_logprobs, limits.vocab_size, *prompt_cap)
     _check_width("prompt_alt_tokens_k", request.prompt_alt_tokens_k, limits.vocab_size, *prompt_cap)
@@ -91,27 +93,29 @@ def _check_params(request: SampleRequest, prompt_length: int, limits: ModelLimit
         _check_int("sampling_params.max_tokens", params.max_tokens, 1, room, " (context left)")
     temperature = params.temperature
     if not _is_real(temperature) or not 0 <= temperature < math.inf:
-        raise UserError(f"sampling_params.temperature must be a finite number ≥ 0, got {temperature!r}")
+        raise FieldError("sampling_params.temperature", f"must be a finite number ≥ 0, got {temperature!r}")
     if (
         not isinstance(params.top_k, Integral)
         or isinstance(params.top_k, bool)
         or not (params.top_k == -1 or params.top_k >= 1)
     ):
-        raise UserError(f"sampling_params.top_k must be -1 (no limit) or ≥ 1; got {params.top_k!r}")
+        raise FieldError("sampling_params.top_k", f"must be -1 (no limit) or ≥ 1; got {params.top_k!r}")
     if not _is_real(params.top_p) or not 0 < params.top_p <= 1:
-        raise UserError(f"sampling_params.top_p must be in (0, 1], got {params.top_p!r}")
+        raise FieldError("sampling_params.top_p", f"must be in (0, 1], got {params.top_p!r}")
     if params.seed is not None:
         _check_int("sampling_params.seed", params.seed, 0, _SEED_LIMIT - 1)
     for item in params.stop or ():
         if isinstance(item, str):
             if not item:
-                raise UserError("sampling_params.stop has an empty stop string")
+                raise FieldError("sampling_params.stop", "has an empty stop string")
             if not limits.can_match_strings:
-                raise UserError("sampling_params.stop has stop strings, but this model has no tokenizer.json")
+                raise FieldError(
+                    "sampling_params.stop", "has stop strings, but this model has no tokenizer.json"
+                )
         elif isinstance(item, Integral) and not isinstance(item, bool):
             _check_ids("sampling_params.stop", np.asarray([item]), limits.vocab_size)
         else:
-            raise UserError(f"sampling_params.stop items must be strings or token ids, got {item!r}")
+            raise FieldError("sampling_params.stop", f"items must be strings or token ids, got {item!r}")
 
 
 def _check_width(field: str, k: int, vocab_size: int, cap: int | None, flag: str) -> None:
@@ -128,18 +132,19 @@ def _check_target_ids(ids: np.ndarray, prompt_length: int, vocab_size: int) -> N
     field = "target_prompt_logprobs"
     ids = np.asarray(ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise UserError(f"{field} must be a 2-D tensor of integer token ids, got shape {list(ids.shape)}")
+        raise FieldError(field, f"must be a 2-D tensor of integer token ids, got shape {list(ids.shape)}")
     if ids.shape[0] != prompt_length - 1:
-        raise UserError(
-            f"{field} has {ids.shape[0]} rows; it needs len(prompt) - 1 = {prompt_length - 1} (row i scores "
-            "prompt position i + 1)"
+        raise FieldError(
+            field,
+            f"has {ids.shape[0]} rows; it needs len(prompt) - 1 = {prompt_length - 1} (row i scores "
+            "prompt position i + 1)",
         )
     if not np.any(ids >= 0):
-        raise UserError(f"{field} names no token id (every cell is -1)")
+        raise FieldError(field, "names no token id (every cell is -1)")
     low, high = int(ids.min()), int(ids.max())
     if low < -1 or high >= vocab_size:
         bad = low if low < -1 else high
-        raise UserError(f"{field} has token id {bad}, outside the vocabulary [0, {vocab_size}) or -1 (none)")
+        raise FieldError(field, f"has token id {bad}, outside the vocabulary [0, {vocab_size}) or -1 (none)")
 
 
 def _check_kv_cache(request: SampleRequest, prompt_length: int, limits: ModelLimits) -> None:
@@ -148,24 +153,27 @@ def _check_kv_cache(request: SampleRequest, prompt_length: int, limits: ModelLim
     max_tokens = resolved_max_tokens(request, limits.max_context_length)
     need = (prompt_length + max_tokens) * request.num_samples * limits.kv_bytes_per_token
     if cap is not None and need > cap:
-        raise UserError(
-            f"this request needs {need} bytes of KV cache ((prompt {prompt_length} + max_tokens "
-            f"{max_tokens}) × num_samples {request.num_samples} × {limits.kv_bytes_per_token} bytes per "
-            f"token), over the {cap} bytes ({cap / _MIB:g} MiB) this server allows one request "
-            "(--max-sample-kv-mib); lower max_tokens or num_samples"
+        # Named after max_tokens, the field a client most often lowers; the words name no other field,
+        # so that each API can name this one in its own terms.
+        raise FieldError(
+            "sampling_params.max_tokens",
+            f"{max_tokens} needs {need} bytes of KV cache ((prompt {prompt_length} + {max_tokens} new "
+            f"tokens) × {request.num_samples} samples × {limits.kv_bytes_per_token} bytes per token), over "
+            f"the {cap} bytes ({cap / _MIB:g} MiB) this server allows one request (--max-sample-kv-mib); "
+            "lower it or the number of samples",
         )
 
 
 def _check_int(field: str, value: object, low: int, high: int, why: str = "") -> None:
     if not isinstance(value, Integral) or isinstance(value, bool) or not low <= value <= high:
-        raise UserError(f"{field} must be an integer in [{low}, {high}]{why}, got {value!r}")
+        raise FieldError(field, f"must be an integer in [{low}, {high}]{why}, got {value!r}")
 
 
 def _check_ids(field: str, ids: np.ndarray, vocab_size: int) -> None:
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
-        raise UserError(f"{field} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+        raise FieldError(field, f"has token id {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 def _is_real(value: object) -> bool:

@@ -13,7 +13,7 @@ import logging
 import re
 from pathlib import Path
 
-from loraplex.errors import NotFoundError, UserError
+from loraplex.errors import FieldError, NotFoundError, UserError
 from loraplex.runtime.control.store import Store
 from loraplex.runtime.control.store.schema import AliasRow
 from loraplex.timestamps import utcnow
@@ -27,11 +27,12 @@ _ALIAS_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,127}")
 
 
 def validate_alias(alias: str) -> str:
-    """Return `alias` if it is a valid name; else a UserError saying what is allowed."""
+    """Return `alias` if it is a valid name; else a FieldError naming `alias` and saying what is allowed."""
     if not _ALIAS_RE.fullmatch(alias):
-        raise UserError(
-            f"invalid alias {alias!r}: use 1-128 characters from A-Z a-z 0-9 _ . - /, "
-            "starting with a letter, digit or '_'"
+        raise FieldError(
+            "alias",
+            f"{alias!r} is invalid: use 1-128 characters from A-Z a-z 0-9 _ . - /, "
+            "starting with a letter, digit or '_'",
         )
     return alias
 

@@ -15,7 +15,7 @@ from typing import Any
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from loraplex.errors import UserError
+from loraplex.errors import FieldError
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -34,29 +34,30 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._special_tokens = special_tokens
 
+        self.source = source
+
     @classmethod
-    def load(cls, tokenizer_dir: Path) -> ChatTemplate | None:
-        """The directory's template, or None if it has none."""
-        config_path = tokenizer_dir / TOKENIZER_CONFIG
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    def load(cls, tokenizer_dir: Path, config: dict[str, Any]) -> ChatTemplate | None:
+        """The directory's template, or None if it has none; `config` is its tokenizer_config.json."""
         source = _template_source(tokenizer_dir, config)
         if source is None:
             return None
         special = {
-            key: _token_content(config[key])
+            key: token_content(config[key])
             for key in ("bos_token", "eos_token", "pad_token", "unk_token")
             if config.get(key) is not None
         }
         return cls(source, special)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for `messages`, ending where the assistant's reply begins."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; with `add_generation_prompt`, ending where the assistant's reply
+        begins."""
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True, **self._special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
             )
         except TemplateError as exc:
-            raise UserError(f"the model's chat template refused these messages: {exc}") from exc
+            raise FieldError("messages", f"were refused by the model's chat template: {exc}") from exc
 
 
 def _template_source(tokenizer_dir: Path, config: dict[str, Any]) -> str | None:
@@ -68,7 +69,7 @@ def _template_source(tokenizer_dir: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _token_content(token: str | dict[str, Any]) -> str:
+def token_content(token: str | dict[str, Any]) -> str:
     """tokenizer_config.json writes a special token as its text or as an AddedToken dict."""
     return token if isinstance(token, str) else str(token.get("content", ""))
 

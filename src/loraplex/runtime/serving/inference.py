@@ -25,7 +25,7 @@ import numpy as np
 
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.sampler.validation import resolved_max_tokens
-from loraplex.errors import NotFoundError, ServerError, UserError
+from loraplex.errors import FieldError, NotFoundError, ServerError, UserError
 from loraplex.runtime.control.aliases import AliasTable, validate_alias
 from loraplex.runtime.control.catalog import Catalog
 from loraplex.runtime.control.futures import FAILED, FutureRecord, FutureTable
@@ -119,13 +119,21 @@ class InferenceService:
         """The base model, the tenant's sampler checkpoints and its aliases."""
         return await asyncio.to_thread(self._models, tenant)
 
+    async def model(self, tenant: str, model_id: str) -> ModelCard:
+        """The entry of models(tenant) with this id (ModelNotFoundError if there is none)."""
+        cards = await self.models(tenant)
+        card = next((card for card in cards if card.model_id == model_id), None)
+        if card is None:
+            raise ModelNotFoundError(model_id)
+        return card
+
     async def set_alias(self, tenant: str, alias: str, model: str) -> None:
         """Name one of the tenant's checkpoints (an alias of an alias or of the base model is refused)."""
         validate_alias(alias)
         if alias == self.base_model:
-            raise UserError(f"alias {alias!r} is the base model's name")
+            raise FieldError("alias", f"{alias!r} is the base model's name")
         if not model.startswith("tinker://"):
-            raise UserError(f"an alias names a tinker:// checkpoint path, not {model!r}")
+            raise FieldError("model", f"of an alias must be a tinker:// checkpoint path, not {model!r}")
         await self.resolve(tenant, model)
         await asyncio.to_thread(self.aliases.set, tenant, alias, model)
 
@@ -225,11 +233,11 @@ class InferenceService:
         limit = self.samplers.max_queued_samples
         if needed > limit:
             scoring = " x 2 (top logprobs score each choice once more)" if is_scored else ""
-            raise UserError(
-                f"{len(generation.prompts)} prompts x n={generation.n}{scoring} = {needed} samples, over "
-                f"the {limit} this server queues at once ({self.samplers.queue_limit_flag}); send fewer "
-                "prompts or "
-                "a smaller n"
+            raise FieldError(
+                "n",
+                f"is {generation.n}: {len(generation.prompts)} prompts x {generation.n}{scoring} = {needed} "
+                f"samples, over the {limit} this server queues at once ({self.samplers.queue_limit_flag}); "
+                "send fewer prompts or a smaller n",
             )
         return needed
 
@@ -299,9 +307,10 @@ class InferenceService:
         context = self.info.max_context_length
         max_tokens = resolved_max_tokens(SampleRequest(np.asarray(prompt), params), context)
         if len(prompt) + max_tokens >= context:
-            raise UserError(
-                f"top_logprobs scores the completion after it is sampled, so the prompt ({len(prompt)} "
-                f"tokens) plus max_tokens ({max_tokens}) must stay below the context length {context}"
+            raise FieldError(
+                "top_logprobs",
+                f"scores the completion after it is sampled, so the prompt ({len(prompt)} tokens) plus "
+                f"max_tokens ({max_tokens}) must stay below the context length {context}",
             )
 
     async def _sample(
