@@ -104,6 +104,14 @@ def test_an_unfinished_character_is_held_until_a_later_token_completes_it(codec:
     assert _streamed_text(events) == "hé€."
 
 
+def test_a_token_with_no_text_is_released_at_once_with_an_empty_piece(codec: TextCodec) -> None:
+    no_text = 488  # the tiny model pads its vocabulary past the tokenizer's: such ids decode to ""
+    events = _play(codec, [[no_text], [no_text, *b"a"]], [no_text, no_text, *b"a", no_text], "length", [])
+    drawn = [[(t.token_id, t.piece) for t in e.tokens] for e in events if isinstance(e, TokensDrawn)]
+    assert drawn == [[(no_text, "")], [(no_text, ""), (ord("a"), "a")]]
+    assert _streamed_text(events) == "a"
+
+
 def test_an_eos_is_never_streamed_and_its_text_is_cut_as_the_whole_answers(codec: TextCodec) -> None:
     eos = 258  # <|im_end|>: a special token, whose literal text the answer leaves out
     events = _play(codec, [[*b"hi"]], [*b"hi", eos], "stop", [])

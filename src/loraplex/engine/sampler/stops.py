@@ -52,6 +52,12 @@ class IncrementalDetokenizer:
         self._prefix_start, self._read_end = self._read_end, len(self._tokens)
         return text[len(prefix_text) :]
 
+    @property
+    def holds_back(self) -> bool:
+        """Whether some pushed tokens' text is held (an unfinished character); False once every token's
+        text has been returned, also when a token's text is empty (an id the tokenizer decodes to "")."""
+        return self._read_end < len(self._tokens)
+
     def _decode(self, tokens: list[int]) -> str:
         return self._tokenizer.decode(tokens, skip_special_tokens=False) if tokens else ""
 

@@ -4,7 +4,8 @@ The engine thread reports each decode step's tokens of a streaming request (Samp
 queued onto the generation's event loop, never handled on the engine thread, and turned into text here as
 the reader takes them. A token is released once the text up to its end can no longer change:
 - its characters are complete: a token that leaves a UTF-8 character unfinished adds "" and is held, with
-  every token after it, until a later token completes the character;
+  every token after it, until a later token completes the character (a token whose text is empty, an id
+  the tokenizer has no text for, is complete and goes with an empty piece);
 - no stop string can begin inside it: the text's longest tail that is a proper prefix of a stop string is
   held. The sampler stops a sequence on the token that completes a stop string (and on EOS or a stop id),
   so released text never holds a stop, and the finishing token is never released early.
@@ -68,6 +69,7 @@ class _ChoiceText:
         self._codec, self._stop_strings = codec, stop_strings
         self._detokenizer = codec.detokenizer()
         self._held: list[ScoredToken] = []  # drawn, not yet released, in order
+        self._settled: list[bool] = []  # per held token: its text, and all before it, is final
         self._text = ""  # the text of every token drawn so far
         self.released = 0  # tokens released
         self.started = False
@@ -78,17 +80,19 @@ class _ChoiceText:
         for token_id, logprob in zip(token_ids, logprobs, strict=True):
             piece = self._detokenizer.push(token_id)
             self._held.append(ScoredToken(token_id, self._codec.token_text(token_id), piece, float(logprob)))
+            self._settled.append(not self._detokenizer.holds_back)
             self._text += piece
         safe_end = len(self._text) - self._stop_prefix_length()
         held_start = len(self._text) - sum(len(t.piece) for t in self._held)
         releasable, end = 0, held_start
-        for i, token in enumerate(self._held):
+        for i, (token, settled) in enumerate(zip(self._held, self._settled, strict=True)):
             end += len(token.piece)
             if end > safe_end:
                 break
-            if token.piece:  # it completes the text of every token up to it: they all go
+            if settled:  # no character is left unfinished up to it: it and every token before it go
                 releasable = i + 1
         released, self._held = tuple(self._held[:releasable]), self._held[releasable:]
+        self._settled = self._settled[releasable:]
         self.released += releasable
         return released
 
