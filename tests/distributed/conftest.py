@@ -85,7 +85,7 @@ class ReferenceEngine(LocalEngine):
         with float64_experts():
             exact = self.exact.run_pass(requests, keep_undo)
         return [
-            ReferenceResult(r.outputs, r.metrics, x) if isinstance(r, PassResult) else r
+            ReferenceResult(r.outputs, r.metrics, r.health, exact=x) if isinstance(r, PassResult) else r
             for r, x in zip(results, exact, strict=True)
         ]
 

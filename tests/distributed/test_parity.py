@@ -120,6 +120,11 @@ def assert_results_equal(got: list[PassResult | UserError], want: list[PassResul
             else:
                 bound = rounding_bound(w.metrics[key], x.metrics[key])
             assert_at_most(error, bound, f"request {index} {key}")
+        # The server's own statistics are recomputed from the joined logprobs (checked above, and they
+        # amplify rounding differently, e.g. a KL of near-equal logprobs): the same ones, and the trained
+        # tokens, which depend on the loss inputs alone, exactly.
+        assert g.health.keys() == w.health.keys()
+        assert g.health["train/tokens"] == w.health["train/tokens"]
     for key, (g_all, w_all, x_all) in outputs.items():
         assert_within_rounding(np.concatenate(g_all), np.concatenate(w_all), np.concatenate(x_all), key)
 
