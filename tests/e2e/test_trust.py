@@ -67,7 +67,7 @@ def _image_datum() -> types.Datum:
 REFUSALS: dict[str, tuple[Callable[[tinker.TrainingClient], object], str]] = {
     "dimuon optim_step": (
         lambda run: run.optim_step(types.DimuonParams(learning_rate=1e-3)),
-        "invalid request body: optimizer_params.type",
+        "the 'dimuon' optimizer is not supported by this server, only AdamW",
     ),
     "ttl below an hour": (
         lambda run: run.save_state("x", ttl_seconds=60),
