@@ -263,6 +263,45 @@ class ServerConfig(BaseModel):
         "start at --max-rank on every adapted layer (docs/MEMORY.md); a request for another waits for one "
         "to be released, then the least recently used is evicted.",
     )
+    sampler: Literal["loraplex", "vllm"] = Field(
+        "loraplex",
+        description="Where sampling requests are decoded: loraplex = this process's own sampler; vllm = vLLM "
+        "OpenAI servers, given with --vllm-url or started by this server with --vllm-python (docs/VLLM.md).",
+    )
+    vllm_url: str | None = Field(
+        None,
+        description="--sampler vllm: the base URLs of running vLLM OpenAI servers of the same base model, "
+        "comma-separated (requests are spread over them); each needs --enable-lora and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, and must read the snapshot directories under --data-dir.",
+    )
+    vllm_python: Path | None = Field(
+        None,
+        description="--sampler vllm: the python of an environment with vLLM (`make vllm` builds .venv-vllm); "
+        "this server starts a vLLM server with it on the base model, restarts it if it dies or stalls, "
+        "and stops it when it stops.",
+    )
+    vllm_args: str = Field(
+        "",
+        description="--vllm-python: more arguments for the vLLM server, as one string (e.g. "
+        "'--gpu-memory-utilization 0.5 --tensor-parallel-size 2').",
+    )
+    vllm_max_loras: int = Field(
+        8,
+        ge=1,
+        description="--sampler vllm: snapshots loaded into each vLLM server at once (its --max-loras and "
+        "--max-cpu-loras when this server starts it); past it the least recently used idle one is unloaded.",
+    )
+    vllm_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="--sampler vllm: a vLLM server that does not answer its health check this long is "
+        "stalled: its requests fail (retryable) and, if this server started it, it is restarted.",
+    )
+    vllm_start_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="--vllm-python: longest a vLLM server may take to load the model and answer.",
+    )
     max_queued_samples: int = Field(
         4096,
         ge=1,

@@ -39,6 +39,15 @@ class CapacityError(LoraplexError):
     """The service is temporarily full (e.g. no free slot); the same request may succeed later."""
 
 
+class UnavailableError(CapacityError):
+    """What the request needed went away while it ran (a vLLM sampler server died or stalled); sending it
+    again may succeed (HTTP 503 with Retry-After). A future failed with it is answered 410 by
+    retrieve_future, on which the Tinker SDK sends a sample again (future category "retryable")."""
+
+    status_code = 503
+    retry_after_s = 1
+
+
 class ServerError(LoraplexError, RuntimeError):
     """Something broke inside the service; the request itself may have been fine."""
 

@@ -37,6 +37,7 @@ from loraplex.runtime.core.duty import DutyMeter, MeteredEngine
 from loraplex.runtime.core.engine_loop import EngineLoop
 from loraplex.runtime.core.executor import Executor
 from loraplex.runtime.core.host_tier import default_host_slots
+from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend
 from loraplex.runtime.core.scheduler import Gathering, Scheduler
 from loraplex.runtime.core.state import SharedState
 from loraplex.runtime.observability.console import Console
@@ -86,7 +87,13 @@ class Runtime:
         self.training = TrainingService(
             engine, self.state, self.futures, self.writer, self.sessions, self.catalog, store, config
         )
-        self.samplers = SamplerService(engine, self.state, self.futures, self.sessions, self.catalog, store)
+        # The engine thread's calls are timed (core/duty.py); other threads call `engine` itself.
+        meter = DutyMeter(self.telemetry)
+        metered = cast(Engine, MeteredEngine(engine, meter))
+        self.sampler = self._sampler_backend(metered)
+        self.samplers = SamplerService(
+            engine, self.state, self.futures, self.sessions, self.catalog, store, self.sampler
+        )
         import_alias_file(store, config.data_dir)  # an earlier release's aliases.json, once
         self.inference = InferenceService(
             engine.info,
@@ -105,14 +112,13 @@ class Runtime:
             self.sessions,
             self.layout,
             config.retention_sweep_s,
+            on_removed=self.sampler.forget_snapshot,
         )
-        # The engine thread's calls are timed (core/duty.py); other threads call `engine` itself.
-        meter = DutyMeter(self.telemetry)
         host_slots = config.host_slots
         if host_slots is None:
             host_slots = default_host_slots(engine.host_bytes_per_slot())
         executor = Executor(
-            cast(Engine, MeteredEngine(engine, meter)),
+            metered,
             self.writer,
             self.layout,
             self.state,
@@ -122,6 +128,7 @@ class Runtime:
             config.max_prefill_tokens,
             host_slots,
             self.disk,
+            self.sampler,
         )
         scheduler = Scheduler(
             config.pass_token_budget,
@@ -138,6 +145,14 @@ class Runtime:
             self.telemetry,
             meter,
         )
+
+    def _sampler_backend(self, metered: Engine) -> SamplerBackend:
+        """The backend `--sampler` names: the engine's own sampler, or vLLM servers (runtime/vllm/)."""
+        if self.config.sampler == "loraplex":
+            return EngineSampler(metered)
+        from loraplex.runtime.vllm.sampler import VllmSampler
+
+        return VllmSampler.from_config(self.config, metered, wake=self.state.wake)
 
     @classmethod
     def open(cls, engine: Engine, config: ServerConfig) -> Runtime:
@@ -156,6 +171,7 @@ class Runtime:
         self.writer.start()
         self.housekeeping.start()
         self.database_watch.start()
+        self.sampler.start()
         if with_engine_loop:
             self.engine_loop.start()
 
@@ -163,6 +179,7 @@ class Runtime:
         """Stop the engine loop, park the runs it held (so a restart resumes them), write what is left to
         write, stop housekeeping, close the database."""
         self.engine_loop.stop()
+        self.sampler.close()
         self.engine_loop.park_all()
         self.housekeeping.close()
         self.writer.close()

@@ -26,6 +26,7 @@ from loraplex.api.tinker.codecs import (
 from loraplex.api.tinker.deps import Codecs, Futures
 from loraplex.api.tinker.json_render import render_json
 from loraplex.api.tinker.wire import RetrieveFutureRequest
+from loraplex.runtime.control.futures import RETRYABLE
 from loraplex.runtime.core.commands import PassResult
 from loraplex.runtime.core.sampling import SampleResult
 
@@ -49,6 +50,8 @@ async def retrieve_future(
     if not record.is_done:
         return JSONResponse({"type": "try_again", "request_id": record.id, "queue_state": "active"})
     if record.status == "failed":
+        if record.category == RETRYABLE:  # 410: the SDK sends the sample again (docs/PROTOCOL.md §1.4)
+            return JSONResponse({"error": record.error, "category": "server"}, status_code=410)
         return JSONResponse({"error": record.error, "category": record.category})
     if (encodings := _ENCODINGS.get(type(record.result))) is None:
         return JSONResponse(json_safe(record.result))

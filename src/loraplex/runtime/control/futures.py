@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from loraplex.errors import LoraplexError, NotFoundError, UserError
+from loraplex.errors import LoraplexError, NotFoundError, UnavailableError, UserError
 from loraplex.ids import random_hex
 from loraplex.runtime.control.store import FutureOutcome, Store
 from loraplex.runtime.control.store.results import decode_result, encode_result
@@ -28,6 +28,7 @@ from loraplex.timestamps import utcnow
 log = logging.getLogger(__name__)
 
 PENDING, COMPLETE, FAILED = "pending", "complete", "failed"
+RETRYABLE = "retryable"  # the category of a future that failed with UnavailableError
 
 
 @dataclass
@@ -40,7 +41,7 @@ class FutureRecord:
     status: str = PENDING
     result: Result | None = None
     error: str | None = None
-    category: str | None = None  # "user" | "server" once failed
+    category: str | None = None  # "user" | "server" | "retryable" once failed
     _waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(
         default_factory=list, repr=False
     )
@@ -52,7 +53,10 @@ class FutureRecord:
 
 
 def error_category(error: BaseException) -> str:
-    """The Tinker category of an exception: user for UserError, server for anything else."""
+    """The category a failed future keeps: user for UserError (Tinker's), retryable for UnavailableError
+    (sent to the client as Tinker's server category, with HTTP 410: send it again), server for the rest."""
+    if isinstance(error, UnavailableError):
+        return RETRYABLE
     return "user" if isinstance(error, UserError) else "server"
 
 
@@ -63,6 +67,8 @@ def outcome_row(future_id: str, outcome: Outcome) -> FutureOutcome:
         return FutureOutcome(future_id, COMPLETE, encoded, None, None)
     category = error_category(outcome)
     message = str(outcome) or type(outcome).__name__
+    if category == RETRYABLE:
+        log.warning("request %s failed and may be sent again: %s", future_id, outcome)
     if category == "server":
         log.error("request %s failed: %r", future_id, outcome, exc_info=outcome)
         if not isinstance(

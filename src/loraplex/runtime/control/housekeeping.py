@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.control.retention import Removal, Retention
@@ -33,9 +35,11 @@ class Housekeeping:
         sessions: SessionTable,
         layout: DiskLayout,
         sweep_s: float,
+        on_removed: Callable[[Path], None] = lambda _directory: None,
     ) -> None:
         self.retention, self.state, self.sessions = retention, state, sessions
         self.layout, self.sweep_s = layout, sweep_s
+        self.on_removed = on_removed  # told each directory a sweep deleted (the vLLM sampler unloads it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="loraplex-housekeeping", daemon=True)
 
@@ -54,7 +58,10 @@ class Housekeeping:
         engine loop holds; forget lapsed sessions' leases."""
         self.sessions.forget_lapsed()
         in_use = self.state.directories_in_use(self.layout)
-        return self.retention.sweep(utcnow(), in_use, release=self.state.release_idle_runs)
+        removal = self.retention.sweep(utcnow(), in_use, release=self.state.release_idle_runs)
+        for directory in removal.directories:
+            self.on_removed(directory)
+        return removal
 
     def _serve(self) -> None:
         name_os_thread(HOUSEKEEPING)

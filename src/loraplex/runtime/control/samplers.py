@@ -23,6 +23,7 @@ from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store import SeqIdTakenError, Store
 from loraplex.runtime.control.store.schema import SamplerRow
 from loraplex.runtime.core.checkpoints import CheckpointPath, owner_digest
+from loraplex.runtime.core.sampler_backend import SamplerBackend
 from loraplex.runtime.core.sampling import SampleJob, SampleProgress, SampleRequest, SampleRoom
 from loraplex.runtime.core.state import SharedState
 from loraplex.timestamps import utcnow
@@ -39,8 +40,10 @@ class SamplerService:
         sessions: SessionTable,
         catalog: Catalog,
         store: Store,
+        backend: SamplerBackend,
     ) -> None:
         self.engine, self.state, self.futures = engine, state, futures
+        self.backend = backend  # the sampler backend that decodes the requests, which checks them first
         self.sessions, self.catalog, self.store = sessions, catalog, store
 
     def create_sampler(
@@ -126,7 +129,7 @@ class SamplerService:
         if (first := self.store.future_id_for(sampler_id, seq_id)) is not None:
             return self.futures.get(first, tenant)
         # A pending export has no snapshot on disk yet; everything else about the request is checked now.
-        self.engine.validate_sample_request(job_request if sampler.export_from is None else request)
+        self.backend.validate_sample_request(job_request if sampler.export_from is None else request)
         export_owner = ""
         if sampler.export_from is not None:
             export_owner = owner_digest(self.catalog.readable_checkpoint(tenant, sampler.export_from).owner)

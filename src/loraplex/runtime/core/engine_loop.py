@@ -54,6 +54,7 @@ class EngineLoop:
         meter: DutyMeter,
     ) -> None:
         self.executor, self.engine, self.scheduler, self.state = executor, executor.engine, scheduler, state
+        self.sampler = executor.sampler
         self.cond = state.cond
         self.is_live, self.seq_gap_timeout_s = is_live, seq_gap_timeout_s
         self.telemetry, self.meter = telemetry, meter
@@ -77,8 +78,8 @@ class EngineLoop:
                 now = time.monotonic()
                 plan = self.scheduler.plan(list(self.state.active.values()), now)
                 cancels = self.state.samples.take_cancels()  # first: cancelled arrivals skip the engine
-                arrivals = self.state.samples.take_waiting(self.engine.sampling_rows())
-                if not plan and not cancels and not arrivals and not self.engine.has_sampling_work():
+                arrivals = self.state.samples.take_waiting(self.sampler.sampling_rows())
+                if not plan and not cancels and not arrivals and not self.sampler.has_sampling_work():
                     wake_at = self.scheduler.wake_at
                     with self.meter.state(IDLE if wake_at is None else HELD):
                         self.cond.wait(timeout=_LEASE_CHECK_S if wake_at is None else max(0.0, wake_at - now))
@@ -105,7 +106,7 @@ class EngineLoop:
         planned = time.perf_counter()
         for job in arrivals:
             self.executor.admit_sample(job)
-        if self.engine.has_sampling_work():
+        if self.sampler.has_sampling_work():
             self.executor.step_sampler()
         if log.isEnabledFor(logging.DEBUG) and (plan or arrivals):
             log.debug(

@@ -54,6 +54,7 @@ from loraplex.runtime.core.journal import (
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
 from loraplex.runtime.core.sample_history import SnapshotRuns, SnapshotWeights, sample_metrics
+from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend
 from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob, SampleProgress
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
@@ -86,8 +87,11 @@ class Executor:
         max_prefill_tokens: int,
         host_slots: int,
         disk: DiskSpace,
+        sampler: SamplerBackend | None = None,
     ) -> None:
         self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
+        # Where sampling requests are decoded: the engine's own sampler unless another backend is given.
+        self.sampler = sampler if sampler is not None else EngineSampler(engine)
         self.meter, self.telemetry, self.progress = meter, telemetry, progress
         self.max_prefill_tokens = max_prefill_tokens
         self.host_slots = host_slots  # runs the host tier holds at most (--host-slots)
@@ -527,7 +531,7 @@ class Executor:
                     ),
                 ):
                     self.engine.export_snapshot(source, snapshot, job.export_owner)
-            self.engine.add_sample(job.future_id, job.request)
+            self.sampler.add_sample(job.future_id, job.request)
             if job.on_progress is not None:
                 self._streams[job.future_id] = job.on_progress
         except Exception as exc:
@@ -537,14 +541,14 @@ class Executor:
         """Drop cancelled requests from the engine (those it holds; others never reached it) and fail their
         futures, each with why it was cancelled."""
         for future_id in reasons:
-            self.engine.cancel_sample(future_id)
+            self.sampler.cancel_sample(future_id)
         self._finish_samples({future_id: SampleCancelledError(why) for future_id, why in reasons.items()})
 
     def step_sampler(self) -> None:
         """One sampler step; the requests it finished go to the journal."""
         start = time.perf_counter()
         try:
-            finished = self.engine.step_sampler(self.max_prefill_tokens)
+            finished = self.sampler.step_sampler(self.max_prefill_tokens)
         except Exception as exc:  # the engine dropped every request it held: fail them all
             log.exception("sampler step failed")
             with self.state.cond:
@@ -553,7 +557,7 @@ class Executor:
             return
         elapsed_s = time.perf_counter() - start
         self._finish_samples(dict(finished))
-        for future_id, progress in self.engine.take_sample_progress().items():
+        for future_id, progress in self.sampler.take_sample_progress().items():
             if (on_progress := self._streams.get(future_id)) is not None:  # None: cancelled meanwhile
                 on_progress(progress)
         self.telemetry.record_sampler_step(elapsed_s, self.engine.usage())

@@ -29,6 +29,11 @@ class SharedState:
         self.active: dict[str, RunState] = {}  # the runs the scheduler looks at: resident or with commands
         self.samples = SampleQueue(max_queued_samples, max_queued_samples_per_tenant)
 
+    def wake(self) -> None:
+        """Wake the engine loop if it waits for work (another thread has something for it)."""
+        with self.cond:
+            self.cond.notify_all()
+
     def run(self, run_id: str) -> RunState | None:
         """A known run, or None."""
         with self.cond:

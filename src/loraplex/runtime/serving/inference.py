@@ -25,10 +25,10 @@ import numpy as np
 
 from loraplex.engine.interface import EngineInfo
 from loraplex.engine.sampler.validation import resolved_max_tokens
-from loraplex.errors import FieldError, NotFoundError, ServerError, UserError
+from loraplex.errors import FieldError, NotFoundError, ServerError, UnavailableError, UserError
 from loraplex.runtime.control.aliases import AliasTable, validate_alias
 from loraplex.runtime.control.catalog import Catalog
-from loraplex.runtime.control.futures import FAILED, FutureRecord, FutureTable
+from loraplex.runtime.control.futures import FAILED, RETRYABLE, FutureRecord, FutureTable
 from loraplex.runtime.control.samplers import SamplerService
 from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.core.checkpoints import CheckpointPath
@@ -45,6 +45,8 @@ from loraplex.runtime.serving.streaming import LiveGeneration, PromptStream
 from loraplex.runtime.serving.text_codec import TextCodec
 
 # What compute_logprobs sends: one token drawn at temperature 1 and ignored; only the prompt scores count.
+# The error a failed future's category stands for (a /v1 request answers it with its status).
+_ERRORS: dict[str, type[Exception]] = {"user": UserError, RETRYABLE: UnavailableError}
 _SCORING_PARAMS = SamplingParams(max_tokens=1, temperature=1.0, top_k=-1, top_p=1.0)
 
 
@@ -333,7 +335,7 @@ class InferenceService:
             record = await self.futures.retrieve(tenant, record.id)
         if record.status == FAILED:
             error = record.error or "sampling failed"
-            raise UserError(error) if record.category == "user" else ServerError(error)
+            raise _ERRORS.get(record.category or "", ServerError)(error)
         assert isinstance(record.result, SampleResult)
         return record.result
 

@@ -1,0 +1,97 @@
+"""Where sampling requests are decoded: the sampler backend the engine loop drives.
+
+Two backends serve the same Tinker sampling contract (docs/VLLM.md lists what each one supports):
+- `EngineSampler`, the default: the training engine's own continuous-batching decoder, in process, on
+  the engine thread's steps, interleaved with training.
+- the vLLM backend (runtime/vllm/sampler.py, `serve --sampler vllm`): vLLM OpenAI servers in processes of
+  their own, fed over HTTP; the engine thread only hands requests over and collects what finished.
+
+The engine loop calls every method from its one thread. No tensors; no SQL.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from loraplex.engine.interface import Engine
+from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult
+
+
+class SamplerBackend(ABC):
+    """Decodes sampling requests: queued by key, stepped by the engine loop, finished or cancelled."""
+
+    name: str  # how refusals and /metrics name it: "loraplex" or "vllm"
+
+    @abstractmethod
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        """Raise UserError naming the field this backend cannot serve; cheap, touches no state. Called on
+        the API's threads."""
+
+    @abstractmethod
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        """Queue a request under `key` (unique among unfinished ones)."""
+
+    @abstractmethod
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | Exception]]:
+        """Advance the requests and return those that finished, each with its result or the error that
+        failed it (a UserError for a request of its own making; anything else is the server's)."""
+
+    @abstractmethod
+    def cancel_sample(self, key: str) -> bool:
+        """Forget the unfinished request `key`; False if none has that key."""
+
+    @abstractmethod
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        """The tokens each unfinished streaming request drew since the last call, by key."""
+
+    @abstractmethod
+    def has_sampling_work(self) -> bool:
+        """Whether `step_sampler` has anything to do now (the loop waits for other work otherwise)."""
+
+    @abstractmethod
+    def sampling_rows(self) -> int:
+        """Samples the backend decodes at once: handing it more only makes them wait inside it."""
+
+    def start(self) -> None:  # noqa: B027 (a backend may have nothing to start)
+        """Start what the backend runs beside the engine loop (its threads, its processes)."""
+
+    def forget_snapshot(self, directory: Path) -> None:  # noqa: B027 (a backend may keep nothing)
+        """Retention deleted the snapshot in `directory`: drop what the backend keeps of it. Any thread."""
+
+    def close(self) -> None:  # noqa: B027 (a backend may hold nothing to close)
+        """Stop what the backend started (its threads, its processes)."""
+
+
+class EngineSampler(SamplerBackend):
+    """The training engine's own sampler: every call goes to the engine (through the duty meter)."""
+
+    name = "loraplex"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        self.engine.validate_sample_request(request)
+
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        self.engine.add_sample(key, request)
+
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | Exception]]:
+        return list(self.engine.step_sampler(max_prefill_tokens))
+
+    def cancel_sample(self, key: str) -> bool:
+        return self.engine.cancel_sample(key)
+
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        return self.engine.take_sample_progress()
+
+    def has_sampling_work(self) -> bool:
+        return self.engine.has_sampling_work()
+
+    def sampling_rows(self) -> int:
+        return self.engine.sampling_rows()

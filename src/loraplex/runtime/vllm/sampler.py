@@ -1,0 +1,297 @@
+"""The vLLM sampler backend (`serve --sampler vllm`): sampling requests decoded by vLLM OpenAI servers.
+
+The engine thread only hands requests over and collects what finished: each request becomes one
+/v1/completions call on the least busy server that is up (runtime/vllm/requests.py builds it), made on
+this backend's own event loop thread, which also supervises the servers (server.py). A finished call is
+queued for the engine loop's next `step_sampler`, and the loop is woken for it.
+
+Prompt logprobs (and their top-k) are computed by the training engine's own sampler, beside the vLLM
+call, and joined to its samples: vLLM 0.32 computes prompt logprobs wrongly with LoRA enabled (its CPU
+build's lm_head LoRA kernel fails on them, killing the server), and the engine's scores are the ones the
+built-in sampler gives, exactly. docs/VLLM.md lists what each backend serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shlex
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from loraplex.config import ServerConfig
+from loraplex.engine.interface import Engine
+from loraplex.engine.sampler.validation import resolved_max_tokens
+from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult, SamplingParams
+from loraplex.errors import UnavailableError, UserError
+from loraplex.os_threads import name_os_thread
+from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend
+from loraplex.runtime.vllm.process import VllmProcess
+from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result
+from loraplex.runtime.vllm.server import VllmServer
+
+log = logging.getLogger(__name__)
+
+# Samples handed to one vLLM server at once (vLLM batches and queues them itself): enough to keep a GPU's
+# batch full, few enough that the runtime's per-tenant turns still decide the order.
+ROWS_PER_SERVER = 256
+_CPU_KV_CACHE_GIB = 4
+# Prompt scoring on the training engine: the prompt's own logprobs, one token drawn (as /v1 scores).
+_SCORING_PARAMS = SamplingParams(max_tokens=1, temperature=1.0)
+
+
+@dataclass
+class _Pending:
+    """A request in flight: its vLLM call, and the engine's scoring of its prompt when it asked for it."""
+
+    call: concurrent.futures.Future[SampleResult]
+    scored: bool  # its prompt is scored on the engine
+    samples: SampleResult | Exception | None = None
+    scores: SampleResult | Exception | None = None
+
+    def outcome(self) -> SampleResult | Exception | None:
+        """The finished request's result or error; None while a part is missing."""
+        parts = [self.samples, self.scores] if self.scored else [self.samples]
+        if (error := next((part for part in parts if isinstance(part, Exception)), None)) is not None:
+            return error
+        if any(part is None for part in parts):
+            return None
+        assert isinstance(self.samples, SampleResult)
+        if isinstance(self.scores, SampleResult):
+            self.samples.prompt_logprobs = self.scores.prompt_logprobs
+            self.samples.topk_prompt_ids = self.scores.topk_prompt_ids
+            self.samples.topk_prompt_logprobs = self.scores.topk_prompt_logprobs
+        return self.samples
+
+
+class VllmSampler(SamplerBackend):
+    """Samples on vLLM servers; scores prompts on the engine."""
+
+    name = "vllm"
+
+    def __init__(
+        self, engine: Engine, servers: list[VllmServer], max_logprobs: int, wake: Callable[[], None]
+    ) -> None:
+        self.engine, self.servers, self.max_logprobs, self.wake = engine, servers, max_logprobs, wake
+        self.scorer = EngineSampler(engine)
+        self._pending: dict[str, _Pending] = {}  # engine thread only
+        self._finished: deque[tuple[str, SampleResult | Exception]] = deque()  # vLLM calls done (any thread)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="loraplex-vllm", daemon=True)
+        self._supervisors: list[concurrent.futures.Future[None]] = []
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, engine: Engine, wake: Callable[[], None]) -> VllmSampler:
+        """The backend `config` describes: servers at --vllm-url, or one started with --vllm-python."""
+        if (config.vllm_url is None) == (config.vllm_python is None):
+            raise UserError("--sampler vllm needs either --vllm-url (running vLLM servers) or --vllm-python")
+        max_logprobs = config.max_topk_sample_logprobs
+        servers = []
+        if config.vllm_url is not None:
+            urls = [url.strip().rstrip("/") for url in config.vllm_url.split(",") if url.strip()]
+            servers = [cls._server(config, index, url, None) for index, url in enumerate(urls)]
+        else:
+            assert config.vllm_python is not None
+            process = VllmProcess(
+                config.vllm_python,
+                vllm_arguments(config, engine, max_logprobs),
+                config.data_dir / "logs" / "vllm-0.log",
+                vllm_environment(engine),
+            )
+            servers.append(cls._server(config, 0, None, process))
+        if not servers:
+            raise UserError(f"--vllm-url {config.vllm_url!r} names no server")
+        return cls(engine, servers, max_logprobs, wake)
+
+    @staticmethod
+    def _server(config: ServerConfig, index: int, url: str | None, process: VllmProcess | None) -> VllmServer:
+        return VllmServer(
+            index, url, process, config.vllm_max_loras, config.vllm_timeout_s, config.vllm_start_timeout_s
+        )
+
+    # --- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+        self._supervisors = [
+            asyncio.run_coroutine_threadsafe(server.supervise(), self._loop) for server in self.servers
+        ]
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        for supervisor in self._supervisors:
+            supervisor.cancel()
+        for pending in self._pending.values():
+            pending.call.cancel()
+        closing = [asyncio.run_coroutine_threadsafe(server.close(), self._loop) for server in self.servers]
+        concurrent.futures.wait(closing, timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+    def _run_loop(self) -> None:
+        name_os_thread("lp-vllm")
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    # --- the engine loop's calls
+    def validate_sample_request(self, request: SampleRequest) -> None:
+        self.engine.validate_sample_request(request)
+        refuse_unsupported(request, self.max_logprobs)
+
+    def add_sample(self, key: str, request: SampleRequest) -> None:
+        sampled = replace(request, prompt_logprobs=False, topk_prompt_logprobs=0, prompt_logprobs_last_n=None)
+        scored = request.prompt_logprobs or request.topk_prompt_logprobs > 0
+        if scored:
+            scoring = replace(request, params=_SCORING_PARAMS, num_samples=1, topk_sample_logprobs=0)
+            self.scorer.add_sample(key, replace(scoring, streams=False))
+        call = asyncio.run_coroutine_threadsafe(self._sample(sampled), self._loop)
+        self._pending[key] = _Pending(call, scored)
+        call.add_done_callback(lambda done: self._call_done(key, done))
+
+    def step_sampler(
+        self, max_prefill_tokens: int | None = None
+    ) -> list[tuple[str, SampleResult | Exception]]:
+        if self.scorer.has_sampling_work():
+            for key, scores in self.scorer.step_sampler(max_prefill_tokens):
+                if (pending := self._pending.get(key)) is not None:
+                    pending.scores = scores
+        while self._finished:
+            key, samples = self._finished.popleft()
+            if (pending := self._pending.get(key)) is not None:
+                pending.samples = samples
+        finished = []
+        for key, pending in list(self._pending.items()):
+            if (outcome := pending.outcome()) is not None:
+                del self._pending[key]
+                if isinstance(outcome, Exception):  # the other part is no longer needed
+                    self._drop(key, pending)
+                finished.append((key, outcome))
+        return finished
+
+    def cancel_sample(self, key: str) -> bool:
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            return False
+        self._drop(key, pending)
+        return True
+
+    def _drop(self, key: str, pending: _Pending) -> None:
+        pending.call.cancel()
+        self.scorer.cancel_sample(key)
+
+    def take_sample_progress(self) -> dict[str, SampleProgress]:
+        return {}  # streams arrive whole, with the result
+
+    def has_sampling_work(self) -> bool:
+        return bool(self._finished) or self.scorer.has_sampling_work()
+
+    def sampling_rows(self) -> int:
+        return ROWS_PER_SERVER * len(self.servers)
+
+    def forget_snapshot(self, directory: Path) -> None:
+        for server in self.servers:
+            asyncio.run_coroutine_threadsafe(server.forget(directory), self._loop)
+
+    # --- on the event loop
+    def _call_done(self, key: str, done: concurrent.futures.Future[SampleResult]) -> None:
+        """A vLLM call ended (any thread): queue its outcome for the engine loop, and wake it."""
+        if done.cancelled():
+            return  # cancelled by the engine loop: nobody waits for it
+        error = done.exception()
+        self._finished.append((key, done.result() if error is None else _as_outcome(error)))
+        self.wake()
+
+    async def _sample(self, request: SampleRequest) -> SampleResult:
+        server = await self._pick_server()
+        task = asyncio.current_task()
+        assert task is not None
+        server.requests.add(task)
+        try:
+            name = None
+            if request.snapshot is not None:
+                name = await server.use_adapter(Path(request.snapshot))
+            try:
+                max_tokens = resolved_max_tokens(request, self.engine.info.max_context_length)
+                body = completion_body(request, name or server.base_model, max_tokens)
+                answer = await server.complete(body)
+            finally:
+                if name is not None:
+                    server.release_adapter(name)
+            return sample_result(answer, request)
+        except asyncio.CancelledError:
+            if server.up.is_set() or not server.failure:  # cancelled by the engine loop, not by a failure
+                raise
+            raise UnavailableError(f"{server.where} went down while sampling: {server.failure}") from None
+        finally:
+            server.requests.discard(task)
+
+    async def _pick_server(self) -> VllmServer:
+        """The server that is up with the fewest requests; waits a while for one to come up."""
+        up = [server for server in self.servers if server.up.is_set()]
+        if not up:
+            waits = [asyncio.ensure_future(server.up.wait()) for server in self.servers]
+            timeout = max(server.timeout_s for server in self.servers)
+            _, waiting = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for wait in waiting:
+                wait.cancel()
+            up = [server for server in self.servers if server.up.is_set()]
+            if not up:
+                why = "; ".join(f"{s.where}: {s.failure or 'starting'}" for s in self.servers)
+                raise UnavailableError(f"no vLLM server is up ({why})")
+        return min(up, key=lambda server: len(server.requests))
+
+
+def _as_outcome(error: BaseException) -> Exception:
+    if isinstance(error, Exception):
+        return error
+    return UnavailableError(f"the vLLM call ended: {error!r}")
+
+
+def vllm_environment(engine: Engine) -> dict[str, str]:
+    """What loraplex adds to a vLLM server's environment: loads of adapters at run time allowed, and on a
+    CPU a KV cache of _CPU_KV_CACHE_GIB unless the operator set VLLM_CPU_KVCACHE_SPACE (vLLM's own default
+    takes nearly all the host's memory)."""
+    environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    if engine.info.device == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        environment["VLLM_CPU_KVCACHE_SPACE"] = str(_CPU_KV_CACHE_GIB)
+    return environment
+
+
+def vllm_arguments(config: ServerConfig, engine: Engine, max_logprobs: int) -> list[str]:
+    """The arguments loraplex starts a vLLM server with: the engine's base model and context, LoRA up to
+    the engine's rank, logprobs of the distribution drawn from, and the operator's --vllm-args last (they
+    win)."""
+    info = engine.info
+    arguments = [
+        "--model",
+        info.tokenizer_dir,
+        "--served-model-name",
+        info.model_name,
+        "--max-model-len",
+        str(info.max_context_length),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(_vllm_rank(info.max_rank)),
+        "--max-loras",
+        str(config.vllm_max_loras),
+        "--max-cpu-loras",
+        str(config.vllm_max_loras),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        str(max_logprobs),
+    ]
+    if info.device == "cpu":  # bf16 matmuls are ~100x slower on CPUs, and the engine computes in fp32
+        arguments += ["--dtype", "float32"]
+    return arguments + shlex.split(config.vllm_args)
+
+
+def _vllm_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts at or above `rank` (it takes a fixed set of sizes)."""
+    sizes = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    return next((size for size in sizes if size >= rank), rank)
