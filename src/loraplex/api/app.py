@@ -111,6 +111,7 @@ def create_app(runtime: Runtime, run_service: bool = True) -> FastAPI:
     state.session_search, state.session_traces = runtime.session_search, runtime.session_traces
     state.info, state.layout, state.submissions = runtime.info, runtime.layout, submissions
     state.codecs, state.database, state.disk = codecs, runtime.store.reachability, runtime.disk
+    state.sampler = runtime.sampler
     state.tenants, state.logins, state.console = runtime.tenants, runtime.logins, runtime.console
     state.metrics_public = runtime.config.metrics_public
     app.add_exception_handler(LoraplexError, _loraplex_error)

@@ -91,6 +91,7 @@ class Runtime:
         meter = DutyMeter(self.telemetry)
         metered = cast(Engine, MeteredEngine(engine, meter))
         self.sampler = self._sampler_backend(metered)
+        self.telemetry.sampler_servers = self.sampler.servers
         self.samplers = SamplerService(
             engine, self.state, self.futures, self.sessions, self.catalog, store, self.sampler
         )

@@ -23,6 +23,7 @@ from loraplex.runtime.control.sessions import SessionTable
 from loraplex.runtime.control.store.outage import Reachability
 from loraplex.runtime.core.checkpoints import DiskLayout
 from loraplex.runtime.core.disk_space import DiskSpace
+from loraplex.runtime.core.sampler_backend import SamplerBackend
 
 
 def _from_app(name: str) -> Callable[[Request], Awaitable[Any]]:
@@ -47,5 +48,6 @@ Info = Annotated[EngineInfo, Depends(_from_app("info"))]
 Database = Annotated[Reachability, Depends(_from_app("database"))]
 Layout = Annotated[DiskLayout, Depends(_from_app("layout"))]
 Disk = Annotated[DiskSpace, Depends(_from_app("disk"))]
+Sampler = Annotated[SamplerBackend, Depends(_from_app("sampler"))]
 Submissions = Annotated[SubmissionThread, Depends(_from_app("submissions"))]
 Codecs = Annotated[CodecPool, Depends(_from_app("codecs"))]

@@ -5,6 +5,7 @@ on the event loop."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import anyio.to_thread
@@ -13,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from loraplex.api.pooled_json import PooledJsonRoute
 from loraplex.api.tinker.auth import Tenant
-from loraplex.api.tinker.deps import Database, Disk, Info, Sessions
+from loraplex.api.tinker.deps import Database, Disk, Info, Sampler, Sessions
 from loraplex.api.tinker.wire import CreateSessionRequest, FinishRequest, SessionRequest
 from loraplex.runtime.control.store.outage import DatabaseUnavailableError
 
@@ -35,13 +36,17 @@ async def dynamic_config() -> dict[str, Any]:
 
 
 @router.get("/healthz", response_model=None)
-async def healthz(database: Database, disk: Disk) -> dict[str, str | int] | JSONResponse:
+async def healthz(database: Database, disk: Disk, sampler: Sampler) -> dict[str, Any] | JSONResponse:
     """200 while the server can do its work; 503 with the reason while it cannot (the database does not
     answer), so a load balancer or supervisor notices. Reads a flag: no database call on the loop. Both
     answers give the data dir's free space and the reserve saves keep (a full disk refuses saves, not
-    training: still 200); read on a worker thread, as a stalled network filesystem would stall it."""
-    space = {"data_dir_free_bytes": await anyio.to_thread.run_sync(disk.free_bytes)}
+    training: still 200); read on a worker thread, as a stalled network filesystem would stall it. With
+    `--sampler vllm` they name the sampler and each of its servers: up or not, and why it last went down
+    (a server down fails only sampling, which the SDK retries: still 200)."""
+    space: dict[str, Any] = {"data_dir_free_bytes": await anyio.to_thread.run_sync(disk.free_bytes)}
     space["data_dir_reserve_bytes"] = disk.reserve_bytes
+    if servers := sampler.servers():
+        space["sampler"] = {"backend": sampler.name, "servers": [dataclasses.asdict(s) for s in servers]}
     if (reason := database.down_report()) is not None:
         headers = {"Retry-After": str(DatabaseUnavailableError.retry_after_s)}
         body = {"status": "unavailable", "reason": reason, **space}

@@ -12,10 +12,24 @@ The engine loop calls every method from its one thread. No tensors; no SQL.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.engine.interface import Engine
 from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult
+
+
+@dataclass(frozen=True)
+class SamplerServer:
+    """One server of a backend that samples in other processes, as healthz and /metrics show it."""
+
+    index: int  # its place in --vllm-url (0 for the one --vllm-python starts): /metrics labels it so
+    url: str  # where it answers now (a restarted server of ours answers on a new port)
+    up: bool
+    restarts: int  # times it went down
+    requests: int  # in flight on it now
+    adapters: int  # snapshots loaded into it now
+    failure: str  # why it last went down ("" if it never did)
 
 
 class SamplerBackend(ABC):
@@ -54,6 +68,11 @@ class SamplerBackend(ABC):
     @abstractmethod
     def sampling_rows(self) -> int:
         """Samples the backend decodes at once: handing it more only makes them wait inside it."""
+
+    def servers(self) -> list[SamplerServer]:
+        """The servers it samples on, when they are other processes (none for the in-process sampler).
+        Any thread; a snapshot of counters, never a call to them."""
+        return []
 
     def start(self) -> None:  # noqa: B027 (a backend may have nothing to start)
         """Start what the backend runs beside the engine loop (its threads, its processes)."""

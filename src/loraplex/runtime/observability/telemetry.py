@@ -42,10 +42,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraplex.engine.interface import EngineUsage
 from loraplex.runtime.core.commands import Command, ForwardBackward, OptimStep
+from loraplex.runtime.core.sampler_backend import SamplerServer
 from loraplex.runtime.observability.health_metrics import HealthMetrics
 from loraplex.runtime.observability.server_snapshot import (
     KvCache,
@@ -201,6 +202,43 @@ class _OccupancyCollector:
         )
 
 
+class _SamplerServersCollector:
+    """The gauges of the servers a sampler backend samples on (`--sampler vllm`), by server; none for the
+    in-process sampler."""
+
+    def __init__(self, read: Callable[[], list[SamplerServer]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        servers = self._read()
+        if not servers:
+            return
+        families = {
+            "up": GaugeMetricFamily(
+                "loraplex_sampler_server_up",
+                "1 while a vLLM sampler server answers; 0 while it is down.",
+                labels=("server",),
+            ),
+            "restarts": CounterMetricFamily(
+                "loraplex_sampler_server_down",
+                "Times a vLLM sampler server went down (died or stalled); its requests failed retryably.",
+                labels=("server",),
+            ),
+            "requests": GaugeMetricFamily(
+                "loraplex_sampler_server_requests",
+                "Sampling requests in flight on a vLLM server.",
+                labels=("server",),
+            ),
+            "adapters": GaugeMetricFamily(
+                "loraplex_sampler_server_adapters", "Snapshots loaded into a vLLM server.", labels=("server",)
+            ),
+        }
+        for server in servers:
+            for attribute, family in families.items():
+                family.add_metric((str(server.index),), float(getattr(server, attribute)))
+        yield from families.values()
+
+
 class Telemetry:
     """The metrics of one server in a registry of its own, and the console's rates and recent passes;
     see the module docstring for the API."""
@@ -225,6 +263,8 @@ class Telemetry:
         self._define_metrics()
         self.health = HealthMetrics(self.registry)  # training and sampling health (health_metrics.py)
         self.registry.register(_OccupancyCollector(lambda: self.occupancy_source()))
+        self.sampler_servers: Callable[[], list[SamplerServer]] = list  # set by the runtime
+        self.registry.register(_SamplerServersCollector(lambda: self.sampler_servers()))
 
     def _define_metrics(self) -> None:
         """Every metric the telemetry records, with the names, labels and help /metrics has always had."""

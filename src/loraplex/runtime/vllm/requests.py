@@ -49,13 +49,22 @@ def refuse_unsupported(request: SampleRequest, max_logprobs: int) -> None:
         )
 
 
+def vllm_seed(seed: int) -> int:
+    """A Tinker seed in [0, 2**64) as vLLM's int64: the same 64 bits, which seed its generator alike. vLLM
+    reads -1 as no seed at all, so 2**64 - 1 (whose bits are -1) takes 2**63 - 1's stream instead: the one
+    pair of Tinker seeds that draw alike on this backend."""
+    if seed == 2**64 - 1:
+        return _INT64 - 1
+    return seed - 2**64 if seed >= _INT64 else seed
+
+
 def completion_body(request: SampleRequest, model: str, max_tokens: int) -> dict[str, Any]:
     """The /v1/completions body that samples `request` from `model` (a served adapter name, or the base)."""
     params = request.params
     body: dict[str, Any] = {
         "model": model,
         "prompt": [int(t) for t in request.prompt],
-        "n": _calls(request),
+        "n": calls(request),
         "max_tokens": max_tokens,
         "temperature": float(params.temperature),
         "top_p": float(params.top_p),
@@ -66,8 +75,8 @@ def completion_body(request: SampleRequest, model: str, max_tokens: int) -> dict
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,  # Tinker keeps the tokens that complete a stop string
     }
-    if params.seed is not None:  # Tinker's seeds span [0, 2**64); vLLM's an int64: the same bits
-        body["seed"] = params.seed - 2**64 if params.seed >= _INT64 else params.seed
+    if params.seed is not None:
+        body["seed"] = vllm_seed(params.seed)
     if params.stop is not None:
         body["stop"] = [item for item in params.stop if isinstance(item, str)]
         body["stop_token_ids"] = [int(item) for item in params.stop if not isinstance(item, str)]
@@ -78,15 +87,15 @@ def completion_body(request: SampleRequest, model: str, max_tokens: int) -> dict
 def sample_result(answer: dict[str, Any], request: SampleRequest) -> SampleResult:
     """The samples of vLLM's /v1/completions answer to `completion_body(request, ...)`."""
     choices = sorted(answer.get("choices") or [], key=lambda choice: choice["index"])
-    if len(choices) != _calls(request):
-        raise ServerError(f"vLLM answered {len(choices)} samples where {_calls(request)} were asked")
+    if len(choices) != calls(request):
+        raise ServerError(f"vLLM answered {len(choices)} samples where {calls(request)} were asked")
     sequences = [_sequence(choice, request.topk_sample_logprobs) for choice in choices]
     if len(sequences) < request.num_samples:  # greedy: every sample is the one
         sequences = [sequences[0]] + [copy.deepcopy(sequences[0]) for _ in range(request.num_samples - 1)]
     return SampleResult(sequences)
 
 
-def _calls(request: SampleRequest) -> int:
+def calls(request: SampleRequest) -> int:
     """Samples vLLM is asked for: one for a greedy request (vLLM refuses n > 1 there; they are all the
     same), else num_samples."""
     return 1 if request.params.temperature == 0 else request.num_samples

@@ -30,9 +30,9 @@ from loraplex.engine.sampler.validation import resolved_max_tokens
 from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UnavailableError, UserError
 from loraplex.os_threads import name_os_thread
-from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend
+from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend, SamplerServer
 from loraplex.runtime.vllm.process import VllmProcess
-from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result
+from loraplex.runtime.vllm.requests import calls, completion_body, refuse_unsupported, sample_result
 from loraplex.runtime.vllm.server import VllmServer
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,13 @@ class VllmSampler(SamplerBackend):
     def __init__(
         self, engine: Engine, servers: list[VllmServer], max_logprobs: int, wake: Callable[[], None]
     ) -> None:
-        self.engine, self.servers, self.max_logprobs, self.wake = engine, servers, max_logprobs, wake
+        self.engine, self._servers, self.max_logprobs, self.wake = engine, servers, max_logprobs, wake
         self.scorer = EngineSampler(engine)
         self._pending: dict[str, _Pending] = {}  # engine thread only
         self._finished: deque[tuple[str, SampleResult | Exception]] = deque()  # vLLM calls done (any thread)
+        # Streaming requests' tokens not yet taken: key -> per sample (tokens, logprobs), under the lock.
+        self._progress: dict[str, list[tuple[list[int], list[float]]]] = {}
+        self._progress_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="loraplex-vllm", daemon=True)
         self._supervisors: list[concurrent.futures.Future[None]] = []
@@ -118,7 +121,7 @@ class VllmSampler(SamplerBackend):
     def start(self) -> None:
         self._thread.start()
         self._supervisors = [
-            asyncio.run_coroutine_threadsafe(server.supervise(), self._loop) for server in self.servers
+            asyncio.run_coroutine_threadsafe(server.supervise(), self._loop) for server in self._servers
         ]
 
     def close(self) -> None:
@@ -128,7 +131,7 @@ class VllmSampler(SamplerBackend):
             supervisor.cancel()
         for pending in self._pending.values():
             pending.call.cancel()
-        closing = [asyncio.run_coroutine_threadsafe(server.close(), self._loop) for server in self.servers]
+        closing = [asyncio.run_coroutine_threadsafe(server.close(), self._loop) for server in self._servers]
         concurrent.futures.wait(closing, timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -149,7 +152,7 @@ class VllmSampler(SamplerBackend):
         if scored:
             scoring = replace(request, params=_SCORING_PARAMS, num_samples=1, topk_sample_logprobs=0)
             self.scorer.add_sample(key, replace(scoring, streams=False))
-        call = asyncio.run_coroutine_threadsafe(self._sample(sampled), self._loop)
+        call = asyncio.run_coroutine_threadsafe(self._sample(key, sampled), self._loop)
         self._pending[key] = _Pending(call, scored)
         call.add_done_callback(lambda done: self._call_done(key, done))
 
@@ -168,6 +171,7 @@ class VllmSampler(SamplerBackend):
         for key, pending in list(self._pending.items()):
             if (outcome := pending.outcome()) is not None:
                 del self._pending[key]
+                self._forget_progress(key)  # the result holds every token
                 if isinstance(outcome, Exception):  # the other part is no longer needed
                     self._drop(key, pending)
                 finished.append((key, outcome))
@@ -183,18 +187,32 @@ class VllmSampler(SamplerBackend):
     def _drop(self, key: str, pending: _Pending) -> None:
         pending.call.cancel()
         self.scorer.cancel_sample(key)
+        self._forget_progress(key)
 
     def take_sample_progress(self) -> dict[str, SampleProgress]:
-        return {}  # streams arrive whole, with the result
+        with self._progress_lock:
+            taken, self._progress = self._progress, {}
+        return {
+            key: SampleProgress([tokens for tokens, _ in samples], [logprobs for _, logprobs in samples])
+            for key, samples in taken.items()
+            if key in self._pending
+        }
+
+    def _forget_progress(self, key: str) -> None:
+        with self._progress_lock:
+            self._progress.pop(key, None)
 
     def has_sampling_work(self) -> bool:
-        return bool(self._finished) or self.scorer.has_sampling_work()
+        return bool(self._finished) or bool(self._progress) or self.scorer.has_sampling_work()
 
     def sampling_rows(self) -> int:
-        return ROWS_PER_SERVER * len(self.servers)
+        return ROWS_PER_SERVER * len(self._servers)
+
+    def servers(self) -> list[SamplerServer]:
+        return [server.report() for server in self._servers]
 
     def forget_snapshot(self, directory: Path) -> None:
-        for server in self.servers:
+        for server in self._servers:
             asyncio.run_coroutine_threadsafe(server.forget(directory), self._loop)
 
     # --- on the event loop
@@ -206,7 +224,21 @@ class VllmSampler(SamplerBackend):
         self._finished.append((key, done.result() if error is None else _as_outcome(error)))
         self.wake()
 
-    async def _sample(self, request: SampleRequest) -> SampleResult:
+    def _on_tokens(self, key: str, request: SampleRequest) -> Callable[[int, list[int], list[float]], None]:
+        """Where a streaming request's new tokens go (on the event loop): its progress, for the engine loop's
+        next take, which it is woken for. A greedy request's one vLLM sample stands for all of them."""
+
+        def note(index: int, tokens: list[int], logprobs: list[float]) -> None:
+            with self._progress_lock:
+                samples = self._progress.setdefault(key, [([], []) for _ in range(request.num_samples)])
+                for sample in samples if calls(request) < request.num_samples else [samples[index]]:
+                    sample[0].extend(tokens)
+                    sample[1].extend(logprobs)
+            self.wake()
+
+        return note
+
+    async def _sample(self, key: str, request: SampleRequest) -> SampleResult:
         server = await self._pick_server()
         task = asyncio.current_task()
         assert task is not None
@@ -218,7 +250,9 @@ class VllmSampler(SamplerBackend):
             try:
                 max_tokens = resolved_max_tokens(request, self.engine.info.max_context_length)
                 body = completion_body(request, name or server.base_model, max_tokens)
-                answer = await server.complete(body)
+                answer = await server.complete(
+                    body, self._on_tokens(key, request) if request.streams else None
+                )
             finally:
                 if name is not None:
                     server.release_adapter(name)
@@ -232,16 +266,16 @@ class VllmSampler(SamplerBackend):
 
     async def _pick_server(self) -> VllmServer:
         """The server that is up with the fewest requests; waits a while for one to come up."""
-        up = [server for server in self.servers if server.up.is_set()]
+        up = [server for server in self._servers if server.up.is_set()]
         if not up:
-            waits = [asyncio.ensure_future(server.up.wait()) for server in self.servers]
-            timeout = max(server.timeout_s for server in self.servers)
+            waits = [asyncio.ensure_future(server.up.wait()) for server in self._servers]
+            timeout = max(server.timeout_s for server in self._servers)
             _, waiting = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             for wait in waiting:
                 wait.cancel()
-            up = [server for server in self.servers if server.up.is_set()]
+            up = [server for server in self._servers if server.up.is_set()]
             if not up:
-                why = "; ".join(f"{s.where}: {s.failure or 'starting'}" for s in self.servers)
+                why = "; ".join(f"{s.where}: {s.failure or 'starting'}" for s in self._servers)
                 raise UnavailableError(f"no vLLM server is up ({why})")
         return min(up, key=lambda server: len(server.requests))
 

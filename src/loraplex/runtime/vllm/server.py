@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ import httpx
 
 from loraplex.engine.snapshots import WEIGHTS_FILE
 from loraplex.errors import ServerError, UnavailableError, UserError
+from loraplex.runtime.core.sampler_backend import SamplerServer
 from loraplex.runtime.vllm.process import VllmProcess
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,18 @@ class VllmServer:
         return f"vLLM server {self.index} ({self.url or 'starting'})"
 
     # --- health
+    def report(self) -> SamplerServer:
+        """Its state for healthz and /metrics (read from any thread: plain fields, no call)."""
+        return SamplerServer(
+            self.index,
+            self.url,
+            self.up.is_set(),
+            self.restarts,
+            len(self.requests),
+            len(self.adapters),
+            self.failure,
+        )
+
     async def supervise(self) -> None:
         """Keep the server up, for as long as the sampler runs (cancelled when it closes)."""
         while True:
@@ -88,8 +103,6 @@ class VllmServer:
                 self.failure = str(error)
                 await self._restart_pause()
                 continue
-            self.adapters.clear()  # a server that (re)started holds none of ours; one by URL answers
-            self.users.clear()  # "already loaded" for those it kept
             self.up.set()
             log.info("%s is up, serving %s", self.where, self.base_model)
             why = await self._watch()
@@ -148,6 +161,8 @@ class VllmServer:
         self.up.clear()
         self.failure = why
         self.restarts += 1
+        self.adapters.clear()  # whether it restarts or comes back, what it held is not known to be there
+        self.users.clear()
         log.error("%s is down: %s; failing its %d requests", self.where, why, len(self.requests))
         for task in list(self.requests):
             task.cancel(f"{self.where} went down: {why}")
@@ -204,10 +219,32 @@ class VllmServer:
             log.info("%s did not unload adapter %s: %s", self.where, name, error)
 
     # --- requests
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """POST /v1/completions; its answer."""
-        answer = await self._post("/v1/completions", body)
-        return answer
+    async def complete(self, body: dict[str, Any], on_tokens: TokenSink | None = None) -> dict[str, Any]:
+        """POST /v1/completions; its answer. With `on_tokens`, vLLM streams it: each chunk's new tokens and
+        their logprobs go to `on_tokens(index, tokens, logprobs)` as they come, and the chunks are joined
+        into the answer a request without a stream gets."""
+        if on_tokens is None:
+            return await self._post("/v1/completions", body)
+        choices: dict[int, dict[str, Any]] = {}
+        try:
+            async with self.client.stream(
+                "POST", f"{self.url}/v1/completions", json={**body, "stream": True}
+            ) as answer:
+                if answer.status_code != 200:
+                    await answer.aread()
+                    raise self._refusal(answer)
+                async for line in answer.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:  # vLLM failed after the stream began
+                        self.check_soon()
+                        raise UnavailableError(f"{self.where} failed: {_message(chunk)}")
+                    for delta in chunk.get("choices", []):
+                        _join(choices, delta, on_tokens)
+        except httpx.HTTPError as error:
+            raise self._unreachable(error) from error
+        return {"choices": list(choices.values())}
 
     async def _post(self, path: str, body: dict[str, Any], loading: bool = False) -> dict[str, Any]:
         """POST to the server: its JSON answer; UnavailableError if it cannot be reached or fails inside,
@@ -215,18 +252,55 @@ class VllmServer:
         try:
             answer = await self.client.post(f"{self.url}{path}", json=body)
         except httpx.HTTPError as error:
-            self.check_soon()
-            raise UnavailableError(f"{self.where} could not be reached: {error!r}") from error
+            raise self._unreachable(error) from error
         if answer.status_code == 200:
             is_json = answer.headers.get("content-type", "").startswith("application/json")
             return answer.json() if is_json else {}
         message = _error_message(answer)
         if loading and answer.status_code == 400 and "already" in message and "loaded" in message:
             return {}  # loaded before: by us before a restart of ours, or by another loraplex
+        raise self._refusal(answer)
+
+    def _unreachable(self, error: httpx.HTTPError) -> UnavailableError:
+        self.check_soon()
+        return UnavailableError(f"{self.where} could not be reached: {error!r}")
+
+    def _refusal(self, answer: httpx.Response) -> UnavailableError | UserError:
+        """The error of an answer other than 200: UnavailableError for the server's own failure (5xx),
+        UserError for a request it refuses."""
+        message = _error_message(answer)
         if answer.status_code >= 500:
             self.check_soon()
-            raise UnavailableError(f"{self.where} failed: {message}")
-        raise UserError(f"{self.where} refused the request ({answer.status_code}): {message}")
+            return UnavailableError(f"{self.where} failed: {message}")
+        return UserError(f"{self.where} refused the request ({answer.status_code}): {message}")
+
+
+# Called with a choice's index and the tokens and logprobs a stream chunk added to it.
+TokenSink = Callable[[int, list[int], list[float]], None]
+
+
+def _join(choices: dict[int, dict[str, Any]], delta: dict[str, Any], on_tokens: TokenSink) -> None:
+    """Add one stream chunk's choice to the joined answer, and hand its new tokens on."""
+    index = delta["index"]
+    joined = choices.setdefault(
+        index,
+        {
+            "index": index,
+            "token_ids": [],
+            "logprobs": {"token_logprobs": [], "top_logprobs": []},
+            "finish_reason": None,
+        },
+    )
+    tokens = delta.get("token_ids") or []
+    scored = delta.get("logprobs") or {}
+    logprobs = scored.get("token_logprobs") or []
+    joined["token_ids"] += tokens
+    joined["logprobs"]["token_logprobs"] += logprobs
+    joined["logprobs"]["top_logprobs"] += scored.get("top_logprobs") or []
+    if delta.get("finish_reason") is not None:
+        joined["finish_reason"] = delta["finish_reason"]
+    if tokens:
+        on_tokens(index, tokens, [float("-inf") if v is None else float(v) for v in logprobs])
 
 
 def _error_message(answer: httpx.Response) -> str:
@@ -234,5 +308,9 @@ def _error_message(answer: httpx.Response) -> str:
         body = answer.json()
     except ValueError:
         return answer.text[:500]
+    return _message(body)
+
+
+def _message(body: Any) -> str:
     error = body.get("error", body) if isinstance(body, dict) else body
     return str(error.get("message", error) if isinstance(error, dict) else error)[:500]

@@ -1,0 +1,185 @@
+"""The vLLM sampler's pieces without vLLM: a Tinker request as a /v1/completions body, vLLM's answer as a
+SampleResult, the refusals, and a server's snapshot LRU against a scripted HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from loraplex.engine.snapshots import WEIGHTS_FILE
+from loraplex.engine.types import SampleRequest, SamplingParams
+from loraplex.errors import FieldError, ServerError, UnavailableError, UserError
+from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result, vllm_seed
+from loraplex.runtime.vllm.server import VllmServer, adapter_name
+
+
+def _request(**fields) -> SampleRequest:
+    params = fields.pop("params", SamplingParams(max_tokens=4))
+    return SampleRequest(np.array([5, 6, 7]), params, **fields)
+
+
+def test_a_request_becomes_a_body_of_token_ids_with_tinkers_stops_and_seed() -> None:
+    params = SamplingParams(
+        max_tokens=4, temperature=0.7, top_k=20, top_p=0.9, seed=2**64 - 1, stop=("ab", 9)
+    )
+    body = completion_body(_request(params=params, num_samples=3, topk_sample_logprobs=2), "lp-x", 4)
+    assert body["prompt"] == [5, 6, 7] and body["model"] == "lp-x" and body["n"] == 3
+    assert (body["temperature"], body["top_k"], body["top_p"], body["max_tokens"]) == (0.7, 20, 0.9, 4)
+    assert body["seed"] == 2**63 - 1  # vLLM reads -1 (the bits of 2**64 - 1) as no seed
+    assert [vllm_seed(s) for s in (0, 2**63 - 1, 2**63, 2**64 - 2)] == [0, 2**63 - 1, -(2**63), -2]
+    assert (body["stop"], body["stop_token_ids"], body["ignore_eos"]) == (["ab"], [9], False)
+    assert body["logprobs"] == 2 and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert body["include_stop_str_in_output"]  # Tinker keeps the tokens that complete a stop string
+
+
+def test_stop_none_leaves_eos_to_vllm_and_an_empty_stop_only_max_tokens() -> None:
+    assert "stop" not in completion_body(_request(), "m", 4) and "ignore_eos" not in completion_body(
+        _request(), "m", 4
+    )
+    body = completion_body(_request(params=SamplingParams(max_tokens=4, stop=())), "m", 4)
+    assert body["ignore_eos"] and body["stop"] == [] and body["stop_token_ids"] == []
+
+
+def _choice(index: int, tokens: list[int], logprobs: list[float | None], top=None, finish="length") -> dict:
+    scored = {"token_logprobs": logprobs, "tokens": [f"token_id:{t}" for t in tokens]}
+    if top is not None:
+        scored["top_logprobs"] = top
+    return {"index": index, "token_ids": tokens, "logprobs": scored, "finish_reason": finish}
+
+
+def test_an_answer_becomes_samples_in_index_order_with_topk_likeliest_first() -> None:
+    top = [{"token_id:3": -0.5, "token_id:4": -1.5, "token_id:8": None}]  # None: -inf, left out by top-k
+    answer = {"choices": [_choice(1, [4], [-1.5], top, "stop"), _choice(0, [3], [-0.5], top)]}
+    result = sample_result(answer, _request(num_samples=2, topk_sample_logprobs=3))
+    first, second = result.sequences
+    assert (first.tokens.tolist(), first.stop_reason, second.stop_reason) == ([3], "length", "stop")
+    assert first.topk_ids is not None and first.topk_logprobs is not None
+    assert first.topk_ids.tolist() == [[3, 4, -1]]
+    assert first.topk_logprobs[0, :2].tolist() == [-0.5, -1.5] and math.isnan(first.topk_logprobs[0, 2])
+
+
+def test_a_greedy_request_asks_vllm_once_and_repeats_the_sample() -> None:
+    request = _request(params=SamplingParams(max_tokens=2, temperature=0.0), num_samples=3)
+    assert completion_body(request, "m", 2)["n"] == 1  # vLLM refuses n > 1 when greedy
+    result = sample_result({"choices": [_choice(0, [1, 2], [-0.1, -0.2])]}, request)
+    assert [s.tokens.tolist() for s in result.sequences] == [[1, 2]] * 3
+    assert result.sequences[1] is not result.sequences[0]  # each its own arrays
+
+
+def test_an_answer_that_does_not_fit_the_request_is_a_server_error() -> None:
+    with pytest.raises(ServerError, match="answered 1 samples where 2 were asked"):
+        sample_result({"choices": [_choice(0, [1], [-0.1])]}, _request(num_samples=2))
+    with pytest.raises(ServerError, match="2 tokens with 1 logprobs"):
+        sample_result({"choices": [_choice(0, [1, 2], [-0.1])]}, _request())
+
+
+def test_fields_vllm_cannot_answer_exactly_are_refused_naming_the_backend() -> None:
+    with pytest.raises(FieldError, match="prompt_alt_tokens_k is not served by the vLLM sampler"):
+        refuse_unsupported(_request(prompt_alt_tokens_k=2), 20)
+    with pytest.raises(FieldError, match="target_prompt_logprobs is not served by the vLLM sampler"):
+        refuse_unsupported(_request(target_prompt_ids=np.zeros((2, 1), np.int64)), 20)
+    with pytest.raises(FieldError, match="topk_sample_logprobs 21 is over the 20"):
+        refuse_unsupported(_request(topk_sample_logprobs=21), 20)
+    refuse_unsupported(_request(topk_sample_logprobs=20, prompt_logprobs=True, topk_prompt_logprobs=50), 20)
+
+
+def _snapshot(directory: Path, content: bytes = b"weights") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / WEIGHTS_FILE).write_bytes(content)
+    return directory
+
+
+def test_a_snapshot_rewritten_in_place_gets_a_new_adapter_name(tmp_path: Path) -> None:
+    snapshot = _snapshot(tmp_path / "s")
+    first = adapter_name(snapshot)
+    assert adapter_name(snapshot) == first
+    (snapshot / WEIGHTS_FILE).unlink()
+    _snapshot(snapshot, b"other weights")
+    assert adapter_name(snapshot) != first
+
+
+class _ScriptedVllm:
+    """The adapter routes of a vLLM server, as httpx's MockTransport handler."""
+
+    def __init__(self, loaded: set[str] | None = None) -> None:
+        self.loaded = loaded or set()
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.calls.append((request.url.path, body.get("lora_name", "")))
+        if request.url.path == "/v1/load_lora_adapter":
+            if body["lora_name"] in self.loaded:
+                return httpx.Response(
+                    400,
+                    json={
+                        "error": {
+                            "message": f"The lora adapter '{body['lora_name']}' has already been loaded."
+                        }
+                    },
+                )
+            self.loaded.add(body["lora_name"])
+            return httpx.Response(200, text="Success")
+        if request.url.path == "/v1/unload_lora_adapter":
+            self.loaded.discard(body["lora_name"])
+            return httpx.Response(200, text="Success")
+        if request.url.path == "/v1/completions":
+            return httpx.Response(500, json={"error": {"message": "EngineCore encountered an issue"}})
+        return httpx.Response(400, json={"error": {"message": "bad"}})
+
+
+def _server(vllm: _ScriptedVllm, max_loras: int) -> VllmServer:
+    server = VllmServer(0, "http://vllm", None, max_loras, timeout_s=5, start_timeout_s=5)
+    server.client = httpx.AsyncClient(transport=httpx.MockTransport(vllm))
+    return server
+
+
+def test_loads_past_max_loras_unload_the_least_recently_used_idle_snapshot(tmp_path: Path) -> None:
+    a, b, c = (_snapshot(tmp_path / name) for name in "abc")
+    vllm = _ScriptedVllm()
+    server = _server(vllm, max_loras=2)
+
+    async def scenario() -> None:
+        for snapshot in (a, b, a):  # a is used last: b is the least recent
+            server.release_adapter(await server.use_adapter(snapshot))
+        held = await server.use_adapter(c)
+        assert vllm.loaded == {adapter_name(a), adapter_name(c)}
+        in_use = await server.use_adapter(a)  # now a and c are in use: nothing idle to unload
+        server.release_adapter(await server.use_adapter(b))
+        assert vllm.loaded == {adapter_name(a), adapter_name(b), adapter_name(c)}
+        for name in (held, in_use):
+            server.release_adapter(name)
+
+    asyncio.run(scenario())
+    loads = [name for path, name in vllm.calls if path == "/v1/load_lora_adapter"]
+    assert loads == [adapter_name(s) for s in (a, b, c, b)]
+
+
+def test_a_load_answered_already_loaded_counts_as_loaded_and_a_deleted_snapshot_is_unloaded(
+    tmp_path: Path,
+) -> None:
+    a = _snapshot(tmp_path / "a")
+    vllm = _ScriptedVllm(loaded={adapter_name(a)})  # loaded before this server started (a restart of ours)
+    server = _server(vllm, max_loras=4)
+
+    async def scenario() -> None:
+        server.release_adapter(await server.use_adapter(a))
+        assert list(server.adapters) == [adapter_name(a)]
+        await server.forget(a)
+
+    asyncio.run(scenario())
+    assert vllm.loaded == set() and not server.adapters
+
+
+def test_a_server_failing_inside_is_unavailable_and_a_refusal_is_the_users(tmp_path: Path) -> None:
+    server = _server(_ScriptedVllm(), max_loras=1)
+    with pytest.raises(UnavailableError, match="failed: EngineCore encountered an issue"):
+        asyncio.run(server.complete({"model": "m"}))
+    with pytest.raises(UserError, match=r"refused the request \(400\): bad"):
+        asyncio.run(server._post("/v1/other", {}))
