@@ -280,6 +280,12 @@ class ServerConfig(BaseModel):
         "this server starts a vLLM server with it on the base model, restarts it if it dies or stalls, "
         "and stops it when it stops.",
     )
+    vllm_devices: str | None = Field(
+        None,
+        description="--vllm-python: one vLLM server per device group, e.g. '0,1;2,3' (CUDA ids; ';' between "
+        "groups), each tensor-parallel over its group; requests are spread over them. Default: one server "
+        "on the devices it sees.",
+    )
     vllm_args: str = Field(
         "",
         description="--vllm-python: more arguments for the vLLM server, as one string (e.g. "

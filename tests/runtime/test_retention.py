@@ -309,3 +309,19 @@ def test_a_request_naming_a_run_id_no_database_can_hold_is_not_found_never_a_ser
     service = service_factory()
     with pytest.raises(NotFoundError, match="not found"):  # a lone surrogate: no UTF-8 store can hold it
         service.training.submit("local", "\ud800", 1, sft_pass())
+
+
+def test_a_sweep_tells_the_sampler_backend_each_snapshot_it_deleted(service_factory, tmp_path) -> None:
+    """The vLLM sampler unloads a deleted snapshot (runtime/vllm/server.py): housekeeping hands it every
+    directory a sweep removed."""
+    service = service_factory(snapshot_idle_s=0.2, retention_sweep_s=3600.0)  # swept by hand below
+    assert service.housekeeping.on_removed == service.sampler.forget_snapshot
+    removed: list[Path] = []
+    service.housekeeping.on_removed = removed.append
+    run = create_run(service)
+    sampler = run.replace(":train:0", ":sample:0")
+    saved = service.training.submit("local", run, 1, SaveSnapshot(None, sampler_id=sampler))
+    assert result_of(service, saved).status == "complete"
+    time.sleep(0.3)  # unused past snapshot_idle_s
+    assert service.housekeeping.sweep().samplers == [sampler]
+    assert removed == [tmp_path / "data" / "snapshots" / sampler]

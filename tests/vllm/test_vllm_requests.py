@@ -6,17 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from loraplex.config import ServerConfig
 from loraplex.engine.snapshots import WEIGHTS_FILE
 from loraplex.engine.types import SampleRequest, SamplingParams
 from loraplex.errors import FieldError, ServerError, UnavailableError, UserError
 from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result, vllm_seed
+from loraplex.runtime.vllm.sampler import ROWS_PER_SERVER, VllmSampler
 from loraplex.runtime.vllm.server import VllmServer, adapter_name
+from tests.fakes import FakeEngine
 
 
 def _request(**fields) -> SampleRequest:
@@ -183,3 +187,44 @@ def test_a_server_failing_inside_is_unavailable_and_a_refusal_is_the_users(tmp_p
         asyncio.run(server.complete({"model": "m"}))
     with pytest.raises(UserError, match=r"refused the request \(400\): bad"):
         asyncio.run(server._post("/v1/other", {}))
+
+
+def _from_config(tmp_path: Path, **fields) -> VllmSampler:
+    config = ServerConfig(data_dir=tmp_path, sampler="vllm", **fields)
+    return VllmSampler.from_config(config, FakeEngine(), wake=lambda: None)
+
+
+def test_vllm_devices_start_one_tensor_parallel_server_per_group(tmp_path: Path) -> None:
+    sampler = _from_config(
+        tmp_path, vllm_python=Path(sys.executable), vllm_devices="0,1;2,3", vllm_args="--seed 3"
+    )
+    processes = [server.process for server in sampler._servers]
+    assert [p.environment["CUDA_VISIBLE_DEVICES"] for p in processes if p] == ["0,1", "2,3"]
+    for index, process in enumerate(processes):
+        assert process is not None and process.log_path == tmp_path / "logs" / f"vllm-{index}.log"
+        arguments = " ".join(process.arguments)
+        assert "--tensor-parallel-size 2" in arguments and arguments.endswith("--seed 3")
+        assert "--served-model-name fake/bigram" in arguments and "--max-lora-rank 64" in arguments
+        assert process.environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({}, "needs either --vllm-url"),
+        ({"vllm_url": "http://a:8000", "vllm_python": Path(sys.executable)}, "needs either --vllm-url"),
+        ({"vllm_url": "http://a:8000", "vllm_devices": "0"}, "not those of --vllm-url"),
+        ({"vllm_url": " , "}, "names no server"),
+        ({"vllm_python": Path(sys.executable), "vllm_devices": "0;0"}, "each device in one group"),
+        ({"vllm_python": Path("/nonexistent/python")}, "is not an executable python"),
+    ],
+)
+def test_a_vllm_sampler_misconfigured_is_refused_at_start_saying_how(tmp_path: Path, fields, message) -> None:
+    with pytest.raises(UserError, match=message):
+        _from_config(tmp_path, **fields)
+
+
+def test_servers_given_by_url_are_spread_over_in_order(tmp_path: Path) -> None:
+    sampler = _from_config(tmp_path, vllm_url="http://a:8000/, http://b:8000")
+    assert [server.url for server in sampler._servers] == ["http://a:8000", "http://b:8000"]
+    assert sampler.sampling_rows() == 2 * ROWS_PER_SERVER

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from loraplex.bench.presets import PRESETS
 from loraplex.errors import UserError
@@ -105,6 +106,18 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         "--new-tokens", type=int, default=64, help="tokens generated per prompt (default: 64)"
     )
     sample.add_argument("--skip-hf", action="store_true", help="leave out the HF generate + PEFT baseline")
+    sample.add_argument(
+        "--sampler",
+        choices=("loraplex", "vllm"),
+        default="loraplex",
+        help="vllm: also sample on a vLLM server (`serve --sampler vllm`), same rounds (default: loraplex)",
+    )
+    sample.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=Path(".venv-vllm/bin/python"),
+        help="--sampler vllm: the python of an environment with vLLM (default: .venv-vllm/bin/python)",
+    )
     sample.add_argument(
         "--hbm-gbps",
         type=float,

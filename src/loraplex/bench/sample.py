@@ -1,6 +1,7 @@
 """`bench sample`: the engine's continuous-batching sampler over many LoRA snapshots at once, against HF
 `generate` + PEFT one adapter after another and against the engine on the base model alone, all in one
-process, interleaved round by round (docs/BENCHMARKS.md).
+process, interleaved round by round (docs/BENCHMARKS.md); with `--sampler vllm`, against a vLLM server
+sampling the same snapshots too (bench/vllm_sampling.py).
 
 Every configuration generates exactly `new_tokens` greedy tokens for the same prompts: the engine with
 `stop=()` (only max_tokens stops), HF with `min_new_tokens == max_new_tokens`. The snapshots are written
@@ -33,6 +34,7 @@ from loraplex.bench.memory import own_peak_rss_mb, peak_gpu_mb, peak_rss_mb
 from loraplex.bench.roofline import decode_step_bytes
 from loraplex.bench.timing import Stat, ratios, time_interleaved
 from loraplex.bench.train import build_engine, run_dtype
+from loraplex.bench.vllm_sampling import VllmSampling
 from loraplex.bench.workloads import prepare_model_dir
 from loraplex.engine.local import LocalEngine, resolve_device
 from loraplex.engine.sampler.validation import SamplingLimits
@@ -273,9 +275,10 @@ def _summarize(shape: SampleShape, seconds: dict[str, list[float]]) -> dict[str,
         "lora_overhead": Stat.of_times([r - 1 for r in ratios(engine_s, seconds["base_only"])]),
         "round_s": Stat.of_times(engine_s),
     }
-    if "hf_peft" in seconds:
-        figures["hf_peft_tokens_per_s"] = Stat.of_rates([tokens / s for s in seconds["hf_peft"]])
-        figures["speedup_vs_hf_peft"] = Stat.of_rates(ratios(seconds["hf_peft"], engine_s))
+    for baseline in ("hf_peft", "vllm"):
+        if baseline in seconds:
+            figures[f"{baseline}_tokens_per_s"] = Stat.of_rates([tokens / s for s in seconds[baseline]])
+            figures[f"speedup_vs_{baseline}"] = Stat.of_rates(ratios(seconds[baseline], engine_s))
     summary: dict[str, Any] = {**asdict(shape), "generated_tokens": tokens, "rounds": len(engine_s)}
     return report.add_figures(summary, figures)
 
@@ -301,7 +304,24 @@ def bench_sample(args: argparse.Namespace) -> int:
             runs["hf_peft"] = HfPeftGenerate(
                 model_dir, prompts, snapshots, shape.new_tokens, device, run_dtype(device)
             )
-        timings = time_interleaved(runs, rounds, _WARMUP, device)
+        vllm = None
+        if args.sampler == "vllm":
+            log_path = Path(scratch) / "vllm.log"
+            vllm = runs["vllm"] = VllmSampling(
+                args.vllm_python,
+                model_dir,
+                prompts,
+                snapshots,
+                shape.new_tokens,
+                shape.rank,
+                device.type == "cpu",
+                log_path,
+            )
+        try:
+            timings = time_interleaved(runs, rounds, _WARMUP, device)
+        finally:
+            if vllm is not None:
+                vllm.close()
         spec = {
             "bench": "sample",
             "model_dir": str(model_dir),

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from loraplex.errors import UserError
 
 log = logging.getLogger(__name__)
 
+_CPU_KV_CACHE_GIB = 4  # vLLM's own default on a CPU takes nearly all the host's memory
 _STOP_WAIT_S = 15.0  # a vLLM server stopped with SIGTERM is killed if still running after this long
 _LOG_TAIL_BYTES = 4000
 
@@ -109,6 +111,60 @@ class VllmProcess:
             return
         with contextlib.suppress(ProcessLookupError):  # already gone, with its group
             os.killpg(self.popen.pid, sig)
+
+
+def lora_server(
+    python: Path,
+    model_dir: Path,
+    served_name: str,
+    max_model_len: int,
+    max_rank: int,
+    max_loras: int,
+    max_logprobs: int,
+    on_cpu: bool,
+    log_path: Path,
+    extra_arguments: Sequence[str] = (),
+    devices: list[str] | None = None,
+) -> VllmProcess:
+    """How loraplex starts a vLLM server for sampling LoRA snapshots of `model_dir` (docs/VLLM.md has the
+    table): adapters up to `max_rank` loaded at run time, `max_loras` at once, logprobs of the distribution
+    each token was drawn from, fp32 on a CPU (as the engine computes there), a KV cache of
+    _CPU_KV_CACHE_GIB on a CPU unless VLLM_CPU_KVCACHE_SPACE is set; on `devices` (CUDA ids) only, with
+    tensor parallelism across them; `extra_arguments` last (they win)."""
+    arguments = [
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-lora",
+        "--max-lora-rank",
+        str(_vllm_rank(max_rank)),
+        "--max-loras",
+        str(max_loras),
+        "--max-cpu-loras",
+        str(max_loras),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        str(max_logprobs),
+    ]
+    environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    if on_cpu:  # bf16 matmuls are ~100x slower on CPUs, and the engine computes in fp32
+        arguments += ["--dtype", "float32"]
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            environment["VLLM_CPU_KVCACHE_SPACE"] = str(_CPU_KV_CACHE_GIB)
+    if devices is not None:
+        environment["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        arguments += ["--tensor-parallel-size", str(len(devices))]
+    return VllmProcess(python, [*arguments, *extra_arguments], log_path, environment)
+
+
+def _vllm_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts at or above `rank` (it takes a fixed set of sizes)."""
+    sizes = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    return next((size for size in sizes if size >= rank), rank)
 
 
 def _free_port() -> int:

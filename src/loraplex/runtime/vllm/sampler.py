@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import shlex
 import threading
 from collections import deque
@@ -31,7 +30,7 @@ from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult, S
 from loraplex.errors import UnavailableError, UserError
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend, SamplerServer
-from loraplex.runtime.vllm.process import VllmProcess
+from loraplex.runtime.vllm.process import VllmProcess, lora_server
 from loraplex.runtime.vllm.requests import calls, completion_body, refuse_unsupported, sample_result
 from loraplex.runtime.vllm.server import VllmServer
 
@@ -40,7 +39,6 @@ log = logging.getLogger(__name__)
 # Samples handed to one vLLM server at once (vLLM batches and queues them itself): enough to keep a GPU's
 # batch full, few enough that the runtime's per-tenant turns still decide the order.
 ROWS_PER_SERVER = 256
-_CPU_KV_CACHE_GIB = 4
 # Prompt scoring on the training engine: the prompt's own logprobs, one token drawn (as /v1 scores).
 _SCORING_PARAMS = SamplingParams(max_tokens=1, temperature=1.0)
 
@@ -93,6 +91,8 @@ class VllmSampler(SamplerBackend):
         """The backend `config` describes: servers at --vllm-url, or one started with --vllm-python."""
         if (config.vllm_url is None) == (config.vllm_python is None):
             raise UserError("--sampler vllm needs either --vllm-url (running vLLM servers) or --vllm-python")
+        if config.vllm_url is not None and config.vllm_devices is not None:
+            raise UserError("--vllm-devices places the servers --vllm-python starts, not those of --vllm-url")
         max_logprobs = config.max_topk_sample_logprobs
         servers = []
         if config.vllm_url is not None:
@@ -100,13 +100,22 @@ class VllmSampler(SamplerBackend):
             servers = [cls._server(config, index, url, None) for index, url in enumerate(urls)]
         else:
             assert config.vllm_python is not None
-            process = VllmProcess(
-                config.vllm_python,
-                vllm_arguments(config, engine, max_logprobs),
-                config.data_dir / "logs" / "vllm-0.log",
-                vllm_environment(engine),
-            )
-            servers.append(cls._server(config, 0, None, process))
+            info = engine.info
+            for index, devices in enumerate(device_groups(config.vllm_devices)):
+                process = lora_server(
+                    config.vllm_python,
+                    Path(info.tokenizer_dir),
+                    info.model_name,
+                    info.max_context_length,
+                    info.max_rank,
+                    config.vllm_max_loras,
+                    max_logprobs,
+                    on_cpu=info.device == "cpu",
+                    log_path=config.data_dir / "logs" / f"vllm-{index}.log",
+                    extra_arguments=shlex.split(config.vllm_args),
+                    devices=devices,
+                )
+                servers.append(cls._server(config, index, None, process))
         if not servers:
             raise UserError(f"--vllm-url {config.vllm_url!r} names no server")
         return cls(engine, servers, max_logprobs, wake)
@@ -286,46 +295,15 @@ def _as_outcome(error: BaseException) -> Exception:
     return UnavailableError(f"the vLLM call ended: {error!r}")
 
 
-def vllm_environment(engine: Engine) -> dict[str, str]:
-    """What loraplex adds to a vLLM server's environment: loads of adapters at run time allowed, and on a
-    CPU a KV cache of _CPU_KV_CACHE_GIB unless the operator set VLLM_CPU_KVCACHE_SPACE (vLLM's own default
-    takes nearly all the host's memory)."""
-    environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-    if engine.info.device == "cpu" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        environment["VLLM_CPU_KVCACHE_SPACE"] = str(_CPU_KV_CACHE_GIB)
-    return environment
-
-
-def vllm_arguments(config: ServerConfig, engine: Engine, max_logprobs: int) -> list[str]:
-    """The arguments loraplex starts a vLLM server with: the engine's base model and context, LoRA up to
-    the engine's rank, logprobs of the distribution drawn from, and the operator's --vllm-args last (they
-    win)."""
-    info = engine.info
-    arguments = [
-        "--model",
-        info.tokenizer_dir,
-        "--served-model-name",
-        info.model_name,
-        "--max-model-len",
-        str(info.max_context_length),
-        "--enable-lora",
-        "--max-lora-rank",
-        str(_vllm_rank(info.max_rank)),
-        "--max-loras",
-        str(config.vllm_max_loras),
-        "--max-cpu-loras",
-        str(config.vllm_max_loras),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--max-logprobs",
-        str(max_logprobs),
-    ]
-    if info.device == "cpu":  # bf16 matmuls are ~100x slower on CPUs, and the engine computes in fp32
-        arguments += ["--dtype", "float32"]
-    return arguments + shlex.split(config.vllm_args)
-
-
-def _vllm_rank(rank: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts at or above `rank` (it takes a fixed set of sizes)."""
-    sizes = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-    return next((size for size in sizes if size >= rank), rank)
+def device_groups(spec: str | None) -> list[list[str] | None]:
+    """--vllm-devices "0,1;2,3" as [["0", "1"], ["2", "3"]]: one vLLM server per group; None: one server,
+    on the devices it sees."""
+    if spec is None:
+        return [None]
+    groups = [[d.strip() for d in group.split(",") if d.strip()] for group in spec.split(";")]
+    if not all(groups) or len({d for g in groups for d in g}) != sum(len(g) for g in groups):
+        raise UserError(
+            f"--vllm-devices {spec!r}: give groups of device ids, ';' between groups and ',' within one "
+            "(e.g. '0,1;2,3'), each device in one group"
+        )
+    return groups
