@@ -16,6 +16,10 @@
 # Dry run of the plumbing on a CPU (tests/test_gpu_scripts.py runs it):
 #   MODEL=smoke DEVICE=cpu SLOTS=2 TOKENS_PER_SLOT=8 ROUNDS=1 NPROC=2 TP=2 bench/gpu.sh --no-memory
 # The MoE variant (a Qwen3-30B-A3B-shaped model) is bench/gpu_moe.sh.
+# SAMPLE=1 then runs the sampling comparison on the same shape: `bench sample --sampler vllm`, the built-in
+# sampler against a vLLM server (VLLM_PYTHON, default .venv-vllm/bin/python: `make vllm` builds it) and,
+# with NAIVE=1, HF + PEFT, on the same snapshots: SAMPLE_SLOTS snapshots x SAMPLE_PROMPTS prompts of up to SAMPLE_PROMPT_LEN
+# tokens, SAMPLE_NEW_TOKENS each (defaults 16 x 8 x 1024 x 128), JSON lines to OUT_SAMPLE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +37,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 OUT=${OUT:-$(mktemp -t loraplex-gpu-bench.XXXXXX.jsonl)}
+SAMPLE=${SAMPLE:-0}
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 # Fewer fragmentation OOMs for the ~100 GB of activations of one step.
@@ -62,3 +67,25 @@ print(f"measured dense matmul {s['dense_matmul_gflops'] / 1e3:.1f} TFLOP/s -> ro
       f"{s['roofline_fraction']:.1%}; attention adds {s['attention_flops_per_token'] / 1e9:.2f} GFLOP/token; "
       f"peak memory {memory}")
 PY
+
+if [[ "$SAMPLE" == 1 ]]; then
+  OUT_SAMPLE=${OUT_SAMPLE:-$(mktemp -t loraplex-gpu-sample.XXXXXX.jsonl)}
+  sample_args=(sample --model "$MODEL" --device "$DEVICE" --slots "${SAMPLE_SLOTS:-16}"
+    --prompts-per-slot "${SAMPLE_PROMPTS:-8}" --prompt-len "${SAMPLE_PROMPT_LEN:-1024}"
+    --new-tokens "${SAMPLE_NEW_TOKENS:-128}" --rank "$RANK" --rounds "$ROUNDS" --sampler vllm
+    --vllm-python "${VLLM_PYTHON:-.venv-vllm/bin/python}" --no-memory --json)
+  if [[ "$NAIVE" != 1 ]]; then sample_args+=(--skip-hf); fi
+  echo "# $PYTHON -m loraplex.bench ${sample_args[*]}  (JSON lines -> $OUT_SAMPLE)" >&2
+  "$PYTHON" -m loraplex.bench "${sample_args[@]}" | tee "$OUT_SAMPLE"
+  "$PYTHON" - "$OUT_SAMPLE" <<'PY'
+import json
+import sys
+
+s = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+line = f"\nsampling, {s['generated_tokens']} tokens a round: built-in {s['tokens_per_s']:.0f} tokens/s"
+for baseline, name in (("vllm", "vLLM"), ("hf_peft", "HF + PEFT")):
+    if f"{baseline}_tokens_per_s" in s:
+        line += f", {name} {s[baseline + '_tokens_per_s']:.0f} ({s['speedup_vs_' + baseline]:.2f}x built-in over it)"
+print(line)
+PY
+fi

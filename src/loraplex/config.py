@@ -280,6 +280,12 @@ class ServerConfig(BaseModel):
         "this server starts a vLLM server with it on the base model, restarts it if it dies or stalls, "
         "and stops it when it stops.",
     )
+    vllm_snapshot_dir: str | None = Field(
+        None,
+        description="--sampler vllm: copy each snapshot into this directory before a vLLM server loads it, "
+        "for servers that cannot see --data-dir: LOCAL (its path here) or LOCAL:REMOTE (REMOTE: the same "
+        "directory as the servers see it). Default: servers load snapshots from the data dir itself.",
+    )
     vllm_devices: str | None = Field(
         None,
         description="--vllm-python: one vLLM server per device group, e.g. '0,1;2,3' (CUDA ids; ';' between "

@@ -20,6 +20,7 @@ from loraplex.errors import FieldError, ServerError, UnavailableError, UserError
 from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result, vllm_seed
 from loraplex.runtime.vllm.sampler import ROWS_PER_SERVER, VllmSampler
 from loraplex.runtime.vllm.server import VllmServer, adapter_name
+from loraplex.runtime.vllm.staging import SnapshotStaging
 from tests.fakes import FakeEngine
 
 
@@ -228,3 +229,37 @@ def test_servers_given_by_url_are_spread_over_in_order(tmp_path: Path) -> None:
     sampler = _from_config(tmp_path, vllm_url="http://a:8000/, http://b:8000")
     assert [server.url for server in sampler._servers] == ["http://a:8000", "http://b:8000"]
     assert sampler.sampling_rows() == 2 * ROWS_PER_SERVER
+
+
+def test_staged_snapshots_are_copied_once_loaded_by_the_servers_path_and_dropped_with_their_snapshot(
+    tmp_path: Path,
+) -> None:
+    """--vllm-snapshot-dir LOCAL:REMOTE, for vLLM servers that cannot see the data dir: the load names the
+    copy as the servers see it, and retention's deletion of the snapshot deletes its copy."""
+    a = _snapshot(tmp_path / "data" / "a")
+    staging = SnapshotStaging(f"{tmp_path / 'staged'}:/mnt/loraplex")
+    vllm = _ScriptedVllm()
+    server = _server(vllm, max_loras=4)
+    server.staging = staging
+    paths: list[str] = []
+    original = vllm.__call__
+
+    def recording(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/load_lora_adapter":
+            paths.append(json.loads(request.content)["lora_path"])
+        return original(request)
+
+    server.client = httpx.AsyncClient(transport=httpx.MockTransport(recording))
+    name = adapter_name(a)
+
+    async def scenario() -> None:
+        server.release_adapter(await server.use_adapter(a))
+        assert staging.path_for(a, name) == f"/mnt/loraplex/{name}"  # already there: not copied again
+
+    asyncio.run(scenario())
+    assert paths == [f"/mnt/loraplex/{name}"]
+    assert (tmp_path / "staged" / name / WEIGHTS_FILE).read_bytes() == b"weights"
+    assert [p.name for p in (tmp_path / "staged").iterdir()] == [name]  # no partial copy left
+    staging.drop(a)
+    assert not (tmp_path / "staged" / name).exists()
+    assert SnapshotStaging().path_for(a, name) == str(a.resolve())  # without staging: the data dir's path

@@ -403,7 +403,7 @@ def test_an_sdk_sample_in_flight_when_the_vllm_server_dies_is_sent_again_and_suc
 ) -> None:
     """What an RL loop sees: nothing but a delay. The SDK resends a sample its future failed retryably."""
     sampler = _sampler(service, None)
-    params = types.SamplingParams(max_tokens=2000, seed=3, stop=[])
+    params = types.SamplingParams(max_tokens=1000, seed=3, stop=[])
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
             lambda: sampler.sample(types.ModelInput.from_ints(PROMPTS[2]), 1, params).result(timeout=600)
@@ -411,4 +411,4 @@ def test_an_sdk_sample_in_flight_when_the_vllm_server_dies_is_sent_again_and_suc
         time.sleep(2.0)
         os.killpg(_vllm_pid(server), signal.SIGKILL)
         out = pending.result()
-    assert len(out.sequences[0].tokens) == 2000
+    assert len(out.sequences[0].tokens) == 1000

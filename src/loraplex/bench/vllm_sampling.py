@@ -12,6 +12,7 @@ only by turns (rounds alternate).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ class VllmSampling:
             log_path=log_path,
         )
         self.new_tokens = new_tokens
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
         self.url = self.process.start()
         try:
             self._wait_until_up()

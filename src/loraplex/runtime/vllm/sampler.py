@@ -33,6 +33,7 @@ from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend,
 from loraplex.runtime.vllm.process import VllmProcess, lora_server
 from loraplex.runtime.vllm.requests import calls, completion_body, refuse_unsupported, sample_result
 from loraplex.runtime.vllm.server import VllmServer
+from loraplex.runtime.vllm.staging import SnapshotStaging
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +95,11 @@ class VllmSampler(SamplerBackend):
         if config.vllm_url is not None and config.vllm_devices is not None:
             raise UserError("--vllm-devices places the servers --vllm-python starts, not those of --vllm-url")
         max_logprobs = config.max_topk_sample_logprobs
+        staging = SnapshotStaging(config.vllm_snapshot_dir)
         servers = []
         if config.vllm_url is not None:
             urls = [url.strip().rstrip("/") for url in config.vllm_url.split(",") if url.strip()]
-            servers = [cls._server(config, index, url, None) for index, url in enumerate(urls)]
+            servers = [cls._server(config, index, url, None, staging) for index, url in enumerate(urls)]
         else:
             assert config.vllm_python is not None
             info = engine.info
@@ -115,16 +117,21 @@ class VllmSampler(SamplerBackend):
                     extra_arguments=shlex.split(config.vllm_args),
                     devices=devices,
                 )
-                servers.append(cls._server(config, index, None, process))
+                servers.append(cls._server(config, index, None, process, staging))
         if not servers:
             raise UserError(f"--vllm-url {config.vllm_url!r} names no server")
         return cls(engine, servers, max_logprobs, wake)
 
     @staticmethod
-    def _server(config: ServerConfig, index: int, url: str | None, process: VllmProcess | None) -> VllmServer:
-        return VllmServer(
-            index, url, process, config.vllm_max_loras, config.vllm_timeout_s, config.vllm_start_timeout_s
-        )
+    def _server(
+        config: ServerConfig,
+        index: int,
+        url: str | None,
+        process: VllmProcess | None,
+        staging: SnapshotStaging,
+    ) -> VllmServer:
+        timeouts = config.vllm_timeout_s, config.vllm_start_timeout_s
+        return VllmServer(index, url, process, config.vllm_max_loras, *timeouts, staging)
 
     # --- lifecycle
     def start(self) -> None:
@@ -221,8 +228,13 @@ class VllmSampler(SamplerBackend):
         return [server.report() for server in self._servers]
 
     def forget_snapshot(self, directory: Path) -> None:
-        for server in self._servers:
-            asyncio.run_coroutine_threadsafe(server.forget(directory), self._loop)
+        asyncio.run_coroutine_threadsafe(self._forget(directory), self._loop)
+
+    async def _forget(self, directory: Path) -> None:
+        """Unload a deleted snapshot from every server, then delete its staged copies."""
+        await asyncio.gather(*(server.forget(directory) for server in self._servers))
+        if self._servers:
+            await asyncio.to_thread(self._servers[0].staging.drop, directory)
 
     # --- on the event loop
     def _call_done(self, key: str, done: concurrent.futures.Future[SampleResult]) -> None:

@@ -33,11 +33,14 @@ from loraplex.engine.snapshots import WEIGHTS_FILE
 from loraplex.errors import ServerError, UnavailableError, UserError
 from loraplex.runtime.core.sampler_backend import SamplerServer
 from loraplex.runtime.vllm.process import VllmProcess
+from loraplex.runtime.vllm.staging import SnapshotStaging
 
 log = logging.getLogger(__name__)
 
 _PROBE_S = 2.0  # between two health checks of a server that is up
 _PROBE_TIMEOUT_S = 5.0
+_RESTART_PAUSE_S = 1.0  # after a server went down, before it is started (or probed) again
+_MAX_RESTART_PAUSE_S = 60.0
 
 
 def adapter_name(snapshot: Path) -> str:
@@ -59,10 +62,12 @@ class VllmServer:
         max_loras: int,
         timeout_s: float,
         start_timeout_s: float,
+        staging: SnapshotStaging | None = None,
     ) -> None:
         assert (url is None) != (process is None), "a vLLM server is given by URL or started, not both"
         self.index, self.url, self.process = index, url or "", process
         self.max_loras, self.timeout_s, self.start_timeout_s = max_loras, timeout_s, start_timeout_s
+        self.staging = staging or SnapshotStaging()
         self.base_model = ""  # the name it serves its base model under (learned from /v1/models)
         self.up = asyncio.Event()
         self.restarts = 0  # times it went down and came back
@@ -92,22 +97,29 @@ class VllmServer:
         )
 
     async def supervise(self) -> None:
-        """Keep the server up, for as long as the sampler runs (cancelled when it closes)."""
+        """Keep the server up, for as long as the sampler runs (cancelled when it closes). A server that
+        fails to come up is tried again after a pause that doubles each time, up to a minute."""
+        failed_starts = 0
         while True:
             try:
                 if self.process is not None:
                     self.url = await asyncio.to_thread(self.process.start)
                 await self._wait_until_answering()
-            except (UserError, ServerError) as error:
-                log.error("%s did not come up: %s", self.where, error)
+            except (UserError, ServerError, httpx.HTTPError) as error:
+                failed_starts += 1
+                pause = min(_RESTART_PAUSE_S * 2 ** (failed_starts - 1), _MAX_RESTART_PAUSE_S)
+                log.error("%s did not come up: %s; trying again in %g s", self.where, error, pause)
                 self.failure = str(error)
-                await self._restart_pause()
+                if self.process is not None:
+                    self.process.kill()
+                await asyncio.sleep(pause)
                 continue
+            failed_starts = 0
             self.up.set()
             log.info("%s is up, serving %s", self.where, self.base_model)
             why = await self._watch()
             self._go_down(why)
-            await self._restart_pause()
+            await asyncio.sleep(_RESTART_PAUSE_S)
 
     async def _wait_until_answering(self) -> None:
         deadline = time.monotonic() + (self.start_timeout_s if self.process is not None else float("inf"))
@@ -169,9 +181,6 @@ class VllmServer:
         if self.process is not None:
             self.process.kill()
 
-    async def _restart_pause(self) -> None:
-        await asyncio.sleep(1.0)
-
     async def close(self) -> None:
         await self.client.aclose()
         if self.process is not None:
@@ -187,7 +196,8 @@ class VllmServer:
                 self.adapters.move_to_end(name)
             else:
                 await self._make_room()
-                load = {"lora_name": name, "lora_path": str(snapshot.resolve())}
+                path = await asyncio.to_thread(self.staging.path_for, snapshot, name)
+                load = {"lora_name": name, "lora_path": path}
                 await self._post("/v1/load_lora_adapter", load, loading=True)
                 self.adapters[name] = snapshot
             self.users[name] += 1
