@@ -28,6 +28,7 @@ _TOKEN_CONFIGS = (
     "engine",
     "base_only",
     "hf_peft",
+    "vllm",
     "sdk",
     "slot_per_run",
     "host_tier",
