@@ -18,8 +18,10 @@
 # The MoE variant (a Qwen3-30B-A3B-shaped model) is bench/gpu_moe.sh.
 # SAMPLE=1 then runs the sampling comparison on the same shape: `bench sample --sampler vllm`, the built-in
 # sampler against a vLLM server (VLLM_PYTHON, default .venv-vllm/bin/python: `make vllm` builds it) and,
-# with NAIVE=1, HF + PEFT, on the same snapshots: SAMPLE_SLOTS snapshots x SAMPLE_PROMPTS prompts of up to SAMPLE_PROMPT_LEN
-# tokens, SAMPLE_NEW_TOKENS each (defaults 16 x 8 x 1024 x 128), JSON lines to OUT_SAMPLE.
+# with NAIVE=1, HF + PEFT, on the same snapshots: SAMPLE_SLOTS snapshots x SAMPLE_PROMPTS prompts of up to
+# SAMPLE_PROMPT_LEN tokens, SAMPLE_NEW_TOKENS each (defaults 16 x 8 x 1024 x 128), of SAMPLE_MODEL (default
+# MODEL; the CPU dry run samples tiny-qwen3-bench: vLLM's CPU build answers 500 on smoke's shape),
+# JSON lines to OUT_SAMPLE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -70,7 +72,7 @@ PY
 
 if [[ "$SAMPLE" == 1 ]]; then
   OUT_SAMPLE=${OUT_SAMPLE:-$(mktemp -t loraplex-gpu-sample.XXXXXX.jsonl)}
-  sample_args=(sample --model "$MODEL" --device "$DEVICE" --slots "${SAMPLE_SLOTS:-16}"
+  sample_args=(sample --model "${SAMPLE_MODEL:-$MODEL}" --device "$DEVICE" --slots "${SAMPLE_SLOTS:-16}"
     --prompts-per-slot "${SAMPLE_PROMPTS:-8}" --prompt-len "${SAMPLE_PROMPT_LEN:-1024}"
     --new-tokens "${SAMPLE_NEW_TOKENS:-128}" --rank "$RANK" --rounds "$ROUNDS" --sampler vllm
     --vllm-python "${VLLM_PYTHON:-.venv-vllm/bin/python}" --no-memory --json)

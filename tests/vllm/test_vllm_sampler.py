@@ -19,6 +19,7 @@ import tinker
 from tinker import types
 
 from loraplex.engine.types import SampleRequest, SamplingParams
+from loraplex.runtime.vllm.server import adapter_name
 from tests.cookbook.conftest import Cookbook, metric
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import client, sft_datum
@@ -256,6 +257,18 @@ def test_snapshots_past_max_loras_evict_the_least_recently_used(server, service,
         assert vllm["adapters"] <= 2
         loaded = [m["id"] for m in httpx.get(f"{vllm['url']}/v1/models").json()["data"] if m.get("parent")]
         assert len(loaded) <= 2, loaded
+
+
+def test_a_snapshot_is_loaded_into_vllm_as_it_is_saved_before_any_request(server, service, reference) -> None:
+    """An RL loop samples each step's snapshot at once: the vLLM sampler loads it when it is saved."""
+    run = service.create_lora_training_client(base_model="loraplex/tiny", rank=4, seed=9).result()
+    path = run.save_weights_for_sampler("ahead").result().path
+    name = adapter_name(reference.snapshot(path))
+    (vllm,) = httpx.get(f"{server.base_url}/api/v1/healthz").json()["sampler"]["servers"]
+    deadline = time.monotonic() + 30
+    while name not in (loaded := [m["id"] for m in httpx.get(f"{vllm['url']}/v1/models").json()["data"]]):
+        assert time.monotonic() < deadline, loaded
+        time.sleep(0.2)
 
 
 def test_what_vllm_cannot_answer_exactly_is_refused_naming_the_backend(service, trained) -> None:

@@ -93,7 +93,10 @@ class VllmSampling:
                 *(client.post(f"{self.url}/v1/completions", json=body) for body in self.bodies)
             )
         for answer in answers:
-            answer.raise_for_status()
+            if answer.status_code != 200:
+                raise RuntimeError(
+                    f"vLLM answered {answer.status_code}: {answer.text[:500]}\n{self.process.log_tail()}"
+                )
             (choice,) = answer.json()["choices"]
             if len(choice["token_ids"]) != self.new_tokens:
                 raise RuntimeError(f"vLLM generated {len(choice['token_ids'])} tokens, not {self.new_tokens}")

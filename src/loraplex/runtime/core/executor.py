@@ -265,6 +265,8 @@ class Executor:
             path = CheckpointPath(run.run_id, kind, cmd.name)
             record = self._save(run, path, cmd, future_id, self._snapshot_writer(slot, cmd))
             self._note_snapshot(self.layout.checkpoint_dir(path), run)
+            if isinstance(cmd, SaveSnapshot):
+                self.sampler.offer_snapshot(self.layout.checkpoint_dir(path))
             return record
         if isinstance(cmd, SaveSnapshot) and cmd.sampler_id is not None:
             directory = self.layout.snapshot_dir(cmd.sampler_id)
@@ -279,6 +281,7 @@ class Executor:
                 )
             sampler = SamplerCreated(cmd.sampler_id, run.session_id, run.tenant, run.base_model, directory)
             self._note_snapshot(directory, run)
+            self.sampler.offer_snapshot(directory)
             result = {"sampling_session_id": cmd.sampler_id, "type": "save_weights_for_sampler"}
             return Record({future_id: result}, [sampler], written=directory)
         raise ServerError(f"no executor for command {type(cmd).__name__}")

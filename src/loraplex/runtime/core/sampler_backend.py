@@ -77,6 +77,10 @@ class SamplerBackend(ABC):
     def start(self) -> None:  # noqa: B027 (a backend may have nothing to start)
         """Start what the backend runs beside the engine loop (its threads, its processes)."""
 
+    def offer_snapshot(self, directory: Path) -> None:  # noqa: B027 (a backend may load nothing ahead)
+        """A snapshot was just saved in `directory` for sampling: a backend that loads snapshots may start
+        now, ahead of the first request (never blocks, never fails). Engine thread."""
+
     def forget_snapshot(self, directory: Path) -> None:  # noqa: B027 (a backend may keep nothing)
         """Retention deleted the snapshot in `directory`: drop what the backend keeps of it. Any thread."""
 

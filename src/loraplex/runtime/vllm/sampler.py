@@ -6,9 +6,10 @@ this backend's own event loop thread, which also supervises the servers (server.
 queued for the engine loop's next `step_sampler`, and the loop is woken for it.
 
 Prompt logprobs (and their top-k) are computed by the training engine's own sampler, beside the vLLM
-call, and joined to its samples: vLLM 0.32 computes prompt logprobs wrongly with LoRA enabled (its CPU
-build's lm_head LoRA kernel fails on them, killing the server), and the engine's scores are the ones the
-built-in sampler gives, exactly. docs/VLLM.md lists what each backend serves.
+call, and joined to its samples: vLLM 0.32's CPU build fails on prompt logprobs once LoRA is enabled (its
+lm_head LoRA kernel is handed the sampled rows' adapter indices for the prompt's rows, raises, and the
+failure kills the server's engine), and the engine's scores are the built-in sampler's, exactly.
+docs/VLLM.md lists what each backend serves.
 """
 
 from __future__ import annotations
@@ -74,9 +75,15 @@ class VllmSampler(SamplerBackend):
     name = "vllm"
 
     def __init__(
-        self, engine: Engine, servers: list[VllmServer], max_logprobs: int, wake: Callable[[], None]
+        self,
+        engine: Engine,
+        servers: list[VllmServer],
+        max_logprobs: int,
+        wake: Callable[[], None],
+        staging: SnapshotStaging,
     ) -> None:
         self.engine, self._servers, self.max_logprobs, self.wake = engine, servers, max_logprobs, wake
+        self.staging = staging  # where the servers load snapshots from (shared by them)
         self.scorer = EngineSampler(engine)
         self._pending: dict[str, _Pending] = {}  # engine thread only
         self._finished: deque[tuple[str, SampleResult | Exception]] = deque()  # vLLM calls done (any thread)
@@ -120,7 +127,7 @@ class VllmSampler(SamplerBackend):
                 servers.append(cls._server(config, index, None, process, staging))
         if not servers:
             raise UserError(f"--vllm-url {config.vllm_url!r} names no server")
-        return cls(engine, servers, max_logprobs, wake)
+        return cls(engine, servers, max_logprobs, wake, staging)
 
     @staticmethod
     def _server(
@@ -176,7 +183,12 @@ class VllmSampler(SamplerBackend):
         self, max_prefill_tokens: int | None = None
     ) -> list[tuple[str, SampleResult | Exception]]:
         if self.scorer.has_sampling_work():
-            for key, scores in self.scorer.step_sampler(max_prefill_tokens):
+            try:
+                scored = self.scorer.step_sampler(max_prefill_tokens)
+            except Exception as error:  # the engine dropped every scoring it held: those requests fail
+                log.exception("scoring prompts on the engine failed")
+                scored = [(key, error) for key, pending in self._pending.items() if pending.scored]
+            for key, scores in scored:
                 if (pending := self._pending.get(key)) is not None:
                     pending.scores = scores
         while self._finished:
@@ -227,14 +239,25 @@ class VllmSampler(SamplerBackend):
     def servers(self) -> list[SamplerServer]:
         return [server.report() for server in self._servers]
 
+    def offer_snapshot(self, directory: Path) -> None:
+        asyncio.run_coroutine_threadsafe(self._preload(directory), self._loop)
+
+    async def _preload(self, directory: Path) -> None:
+        """Load a new snapshot into every server that is up, so its first request does not wait for it (an
+        RL loop samples each step's snapshot at once): the least recently used idle one makes room."""
+        for server in [server for server in self._servers if server.up.is_set()]:
+            try:
+                server.release_adapter(await server.use_adapter(directory))
+            except Exception as error:  # its first request loads it, or says why it cannot
+                log.warning("%s did not load snapshot %s ahead: %s", server.where, directory, error)
+
     def forget_snapshot(self, directory: Path) -> None:
         asyncio.run_coroutine_threadsafe(self._forget(directory), self._loop)
 
     async def _forget(self, directory: Path) -> None:
         """Unload a deleted snapshot from every server, then delete its staged copies."""
         await asyncio.gather(*(server.forget(directory) for server in self._servers))
-        if self._servers:
-            await asyncio.to_thread(self._servers[0].staging.drop, directory)
+        await asyncio.to_thread(self.staging.drop, directory)
 
     # --- on the event loop
     def _call_done(self, key: str, done: concurrent.futures.Future[SampleResult]) -> None:
