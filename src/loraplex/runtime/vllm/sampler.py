@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import logging
 import shlex
+import shutil
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -27,7 +28,7 @@ from pathlib import Path
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine
 from loraplex.engine.sampler.validation import resolved_max_tokens
-from loraplex.engine.types import SampleProgress, SampleRequest, SampleResult, SamplingParams
+from loraplex.engine.types import LoraConfig, SampleProgress, SampleRequest, SampleResult, SamplingParams
 from loraplex.errors import UnavailableError, UserError
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend, SamplerServer
@@ -81,8 +82,14 @@ class VllmSampler(SamplerBackend):
         max_logprobs: int,
         wake: Callable[[], None],
         staging: SnapshotStaging,
+        base_adapter: Path,
     ) -> None:
         self.engine, self._servers, self.max_logprobs, self.wake = engine, servers, max_logprobs, wake
+        # The base model is sampled through an adapter whose B is zero, never as vLLM's base model: vLLM
+        # 0.32's CPU build gives a request without an adapter the delta of its last LoRA slot once that
+        # slot holds one (measured: the tiny model's greedy logprobs moved from -5.44 to -4.20 after three
+        # adapters had taken turns), and a zero delta adds exactly nothing.
+        self.base_adapter = base_adapter
         self.staging = staging  # where the servers load snapshots from (shared by them)
         self.scorer = EngineSampler(engine)
         self._pending: dict[str, _Pending] = {}  # engine thread only
@@ -127,7 +134,7 @@ class VllmSampler(SamplerBackend):
                 servers.append(cls._server(config, index, None, process, staging))
         if not servers:
             raise UserError(f"--vllm-url {config.vllm_url!r} names no server")
-        return cls(engine, servers, max_logprobs, wake, staging)
+        return cls(engine, servers, max_logprobs, wake, staging, config.data_dir / "vllm" / "base-adapter")
 
     @staticmethod
     def _server(
@@ -142,6 +149,14 @@ class VllmSampler(SamplerBackend):
 
     # --- lifecycle
     def start(self) -> None:
+        """Write the base model's zero adapter (before the engine loop runs: a slot for a moment), then
+        start the servers."""
+        shutil.rmtree(self.base_adapter, ignore_errors=True)
+        slot = self.engine.create_slot(LoraConfig(rank=1))  # B starts at zero
+        try:
+            self.engine.save_snapshot(slot, self.base_adapter)
+        finally:
+            self.engine.free_slot(slot)
         self._thread.start()
         self._supervisors = [
             asyncio.run_coroutine_threadsafe(server.supervise(), self._loop) for server in self._servers
@@ -288,18 +303,15 @@ class VllmSampler(SamplerBackend):
         assert task is not None
         server.requests.add(task)
         try:
-            name = None
-            if request.snapshot is not None:
-                name = await server.use_adapter(Path(request.snapshot))
+            name = await server.use_adapter(Path(request.snapshot or self.base_adapter))
             try:
                 max_tokens = resolved_max_tokens(request, self.engine.info.max_context_length)
-                body = completion_body(request, name or server.base_model, max_tokens)
+                body = completion_body(request, name, max_tokens)
                 answer = await server.complete(
                     body, self._on_tokens(key, request) if request.streams else None
                 )
             finally:
-                if name is not None:
-                    server.release_adapter(name)
+                server.release_adapter(name)
             return sample_result(answer, request)
         except asyncio.CancelledError:
             if server.up.is_set() or not server.failure:  # cancelled by the engine loop, not by a failure
