@@ -21,7 +21,7 @@ from loraplex.log_format import JsonFormatter, TextFormatter
 from loraplex.runtime.assembly import Runtime
 from loraplex.runtime.control.keys import create_key
 from loraplex.runtime.control.store import Store
-from loraplex.runtime.observability.telemetry import DEVICE_MEMORY_METRICS
+from loraplex.runtime.observability.telemetry import DEVICE_MEMORY_METRICS, SAMPLER_SERVER_METRICS
 from tests.fakes import FakeEngine
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -49,9 +49,10 @@ def _samples(http: TestClient, headers: dict[str, str] = KEY) -> dict[tuple[str,
 
 
 def _exported_names(http: TestClient) -> set[str]:
-    """Every sample name /metrics exports after a little traffic, and the CUDA-only ones."""
+    """Every sample name /metrics exports after a little traffic, the CUDA-only ones, and the vLLM
+    sampler's (tests/vllm checks those are exported with --sampler vllm)."""
     http.post("/api/v1/create_session", json={}, headers=KEY)
-    return {name for name, _ in _samples(http)} | set(DEVICE_MEMORY_METRICS)
+    return {name for name, _ in _samples(http)} | set(DEVICE_MEMORY_METRICS) | set(SAMPLER_SERVER_METRICS)
 
 
 def test_metrics_takes_any_tenants_key_or_none_when_public(tmp_path: Path) -> None:

@@ -90,6 +90,13 @@ DEVICE_MEMORY_METRICS = (
     "loraplex_device_memory_reserved_bytes",
     "loraplex_device_memory_total_bytes",
 )
+# Exported only while the sampler samples on other servers (`--sampler vllm`), one series per server.
+SAMPLER_SERVER_METRICS = (
+    "loraplex_sampler_server_up",
+    "loraplex_sampler_server_down_total",
+    "loraplex_sampler_server_requests",
+    "loraplex_sampler_server_adapters",
+)
 _DEVICE_MEMORY_HELP = (
     "Device memory held by tensors (CUDA).",
     "Device memory the caching allocator holds (CUDA).",
