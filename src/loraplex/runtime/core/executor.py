@@ -54,7 +54,7 @@ from loraplex.runtime.core.journal import (
 )
 from loraplex.runtime.core.run_queue import LIVE, LOST, PARKED, Entry, RunState
 from loraplex.runtime.core.sample_history import SnapshotRuns, SnapshotWeights, sample_metrics
-from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend
+from loraplex.runtime.core.sampler_backend import SamplerBackend
 from loraplex.runtime.core.sampling import SampleCancelledError, SampleJob, SampleProgress
 from loraplex.runtime.core.scheduler import OptimWork, PassWork, Work, work_items
 from loraplex.runtime.core.state import SharedState
@@ -87,11 +87,10 @@ class Executor:
         max_prefill_tokens: int,
         host_slots: int,
         disk: DiskSpace,
-        sampler: SamplerBackend | None = None,
+        sampler: SamplerBackend,
     ) -> None:
         self.engine, self.journal, self.layout, self.state = engine, journal, layout, state
-        # Where sampling requests are decoded: the engine's own sampler unless another backend is given.
-        self.sampler = sampler if sampler is not None else EngineSampler(engine)
+        self.sampler = sampler  # where sampling requests are decoded (--sampler)
         self.meter, self.telemetry, self.progress = meter, telemetry, progress
         self.max_prefill_tokens = max_prefill_tokens
         self.host_slots = host_slots  # runs the host tier holds at most (--host-slots)

@@ -35,7 +35,7 @@ class SamplerServer:
 class SamplerBackend(ABC):
     """Decodes sampling requests: queued by key, stepped by the engine loop, finished or cancelled."""
 
-    name: str  # how refusals and /metrics name it: "loraplex" or "vllm"
+    name: str  # how healthz names it: "loraplex" or "vllm"
 
     @abstractmethod
     def validate_sample_request(self, request: SampleRequest) -> None:

@@ -90,12 +90,37 @@ DEVICE_MEMORY_METRICS = (
     "loraplex_device_memory_reserved_bytes",
     "loraplex_device_memory_total_bytes",
 )
-# Exported only while the sampler samples on other servers (`--sampler vllm`), one series per server.
-SAMPLER_SERVER_METRICS = (
-    "loraplex_sampler_server_up",
-    "loraplex_sampler_server_down_total",
-    "loraplex_sampler_server_requests",
-    "loraplex_sampler_server_adapters",
+# The families of each server a sampler backend samples on, exported only with `--sampler vllm`: the
+# SamplerServer field each reads, its family (a counter's samples end in _total), and its help.
+_SAMPLER_SERVER_FAMILIES = (
+    (
+        "up",
+        GaugeMetricFamily,
+        "loraplex_sampler_server_up",
+        "1 while a vLLM sampler server answers; 0 while it is down.",
+    ),
+    (
+        "restarts",
+        CounterMetricFamily,
+        "loraplex_sampler_server_down",
+        "Times a vLLM sampler server went down (died or stalled); its requests failed retryably.",
+    ),
+    (
+        "requests",
+        GaugeMetricFamily,
+        "loraplex_sampler_server_requests",
+        "Sampling requests in flight on a vLLM server.",
+    ),
+    (
+        "adapters",
+        GaugeMetricFamily,
+        "loraplex_sampler_server_adapters",
+        "Snapshots loaded into a vLLM server.",
+    ),
+)
+SAMPLER_SERVER_METRICS = tuple(
+    name + ("_total" if family is CounterMetricFamily else "")
+    for _, family, name, _ in _SAMPLER_SERVER_FAMILIES
 )
 _DEVICE_MEMORY_HELP = (
     "Device memory held by tensors (CUDA).",
@@ -221,24 +246,8 @@ class _SamplerServersCollector:
         if not servers:
             return
         families = {
-            "up": GaugeMetricFamily(
-                "loraplex_sampler_server_up",
-                "1 while a vLLM sampler server answers; 0 while it is down.",
-                labels=("server",),
-            ),
-            "restarts": CounterMetricFamily(
-                "loraplex_sampler_server_down",
-                "Times a vLLM sampler server went down (died or stalled); its requests failed retryably.",
-                labels=("server",),
-            ),
-            "requests": GaugeMetricFamily(
-                "loraplex_sampler_server_requests",
-                "Sampling requests in flight on a vLLM server.",
-                labels=("server",),
-            ),
-            "adapters": GaugeMetricFamily(
-                "loraplex_sampler_server_adapters", "Snapshots loaded into a vLLM server.", labels=("server",)
-            ),
+            attribute: family(name, doc, labels=("server",))
+            for attribute, family, name, doc in _SAMPLER_SERVER_FAMILIES
         }
         for server in servers:
             for attribute, family in families.items():
