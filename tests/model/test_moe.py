@@ -301,6 +301,47 @@ def test_in_bf16_the_fused_experts_stay_within_rounding_of_the_per_token_loop() 
     assert_within_rounding(fused, reference, exact, "bf16 experts", unit=BF16_U)
 
 
+def test_the_grouped_kernel_gets_only_operands_a_gpu_can_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's grouped GEMM reads each operand through 16-byte aligned tiles: every stride but the unit
+    one, the group stride of a 3-D operand included, a multiple of 16 bytes, from a 16-byte aligned
+    address. torch checks the last two dims only; a rank-4 expert B in bf16, viewed per expert, steps 8
+    bytes from one expert to the next, and the H200 stopped with "misaligned address" on it. The forward
+    and backward of bf16 experts with slots of ranks 1 to 4 hand the kernel only operands that fit."""
+    block = random_block().to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    leaves = []
+    for slot, rank in {**RANKS, 3: 2}.items():
+        for layer in block.experts.values():
+            A_shape, B_shape = layer.lora_shapes(rank)
+            A, B = ((0.3 * torch.randn(s, generator=generator)).requires_grad_() for s in (A_shape, B_shape))
+            layer.attach(slot, A, B, scale=2.0 / rank)
+            leaves += [A, B]
+    routing = LoRARouting((*ROUTING.segments[:-1], Segment(3, 22, 25)))
+    x = torch.randn(routing.num_tokens, MOE_SHAPES["hidden_size"], generator=generator).bfloat16()
+    operands: list[torch.Tensor] = []
+    kernel = torch._grouped_mm
+
+    def recording_kernel(a: torch.Tensor, b: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        operands.extend((a, b))
+        return kernel(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", recording_kernel)
+    block(x.requires_grad_(), routing).float().square().sum().backward()
+    assert all(leaf.grad is not None and leaf.grad.abs().max() > 0 for leaf in leaves)
+    unit = 16 // 2  # bf16 elements in 16 bytes
+    unaligned = [
+        (tuple(t.shape), t.stride())
+        for t in operands
+        if t.data_ptr() % 16
+        or 1 not in t.stride()[-2:]
+        or any(stride % unit for stride in t.stride() if stride != 1)
+    ]
+    # Per projection: the base matmul (and its backward for x, the base weights being frozen), and the
+    # shrink and expand of the 4 slots the routing uses (each with its 2 backward calls): 2 operands each.
+    assert len(operands) == 2 * 3 * (2 + 4 * 2 * 3)
+    assert not unaligned
+
+
 def test_a_slot_changes_only_its_own_tokens() -> None:
     block = random_block()
     x = torch.randn(ROUTING.num_tokens, MOE_SHAPES["hidden_size"])

@@ -4,7 +4,10 @@
 torch loops over the groups in C++) inside one autograd node whose backward is two more grouped
 matmuls. The kernel accepts only operands whose last two dims have one unit stride and the other a
 multiple of 16 bytes, at a 16-byte aligned address (and its own backward does not make gradients fit);
-an operand that does not fit is copied into a padded buffer that does. The groups may leave the last
+a 3-D operand's group stride must be a multiple of 16 bytes as well, which torch does not check: the
+kernel adds it to the address once per group, and a group at an unaligned address stops the GPU with
+"misaligned address" (an expert LoRA B of rank 4 in bf16, viewed per expert, steps 8 bytes per expert).
+An operand that does not fit is copied into a padded buffer that does. The groups may leave the last
 rows out (`has_ungrouped_rows`: under expert parallelism, the rows of other ranks' experts), which torch
 leaves unwritten and we zero, in the result and in a's gradient, without reading the offsets on the host.
 `grouped_mm_reference` is the plain loop it must equal. Knows nothing of experts, slots or routing.
@@ -96,10 +99,13 @@ def _fitted(matrix: Tensor) -> Tensor:
 
 def _fits(matrix: Tensor) -> bool:
     """The kernel's layout rule: in the last two dims one stride is 1 and the other a multiple of 16
-    bytes, at least the extent it steps over; the data starts 16-byte aligned."""
+    bytes, at least the extent it steps over; a 3-D operand's group stride a multiple of 16 bytes; the
+    data starts 16-byte aligned."""
     if matrix.data_ptr() % _ALIGN_BYTES:
         return False
     align = _ALIGN_BYTES // matrix.element_size()
+    if any(stride % align for stride in matrix.stride()[:-2]):
+        return False
     rows, cols = matrix.shape[-2:]
     row_stride, col_stride = matrix.stride()[-2:]
     if col_stride == 1 and row_stride >= max(1, cols):
