@@ -8,6 +8,9 @@
 #   2. train: `bench train` on the Qwen3-4B shape, SLOTS x TOKENS_PER_SLOT tokens per step, MFU at 4N;
 #   3. sample: `bench sample` on the same shape, tokens/s and the median decode step against the bound
 #      its memory traffic sets at HBM_GBPS (docs/BENCHMARKS.md, "The paper model").
+# Each benchmark then runs one more step (train) or round (sample) under torch.profiler and writes its
+# timeline and op tables under PROFILE (bench/profile.py): copy PROFILE/*.ops.txt off the machine, they
+# say where the time went (the engine's phases, the ops by device and host time, kernel and graph launches).
 # Each stage has its own time limit, so one that hangs cannot eat the others' time; the exit status is
 # the first failing stage's. Every large file (the random 4B weights, about 8 GB; pytest's and the
 # benchmarks' temporary files) goes under SCRATCH.
@@ -16,7 +19,8 @@
 # Environment (defaults): PYTHON (python3), STAGES ("tests train sample"), MODEL (qwen3-4b-shape),
 #   SLOTS (16), TOKENS_PER_SLOT (1024), ROUNDS (3), PEAK_TFLOPS (989: H200 dense bf16), HBM_GBPS (4800),
 #   SAMPLE_SLOTS (16), PROMPTS_PER_SLOT (8), PROMPT_LEN (1024), NEW_TOKENS (64), DEVICE (cuda),
-#   TESTS_TIMEOUT_S (180), TRAIN_TIMEOUT_S (150), SAMPLE_TIMEOUT_S (120).
+#   TESTS_TIMEOUT_S (180), TRAIN_TIMEOUT_S (150), SAMPLE_TIMEOUT_S (150), PROFILE (SCRATCH/profile; empty:
+#   no profiled round).
 # Dry run of the plumbing on a CPU (tests/test_gpu_scripts.py runs it; the gpu tests are then skipped):
 #   DEVICE=cpu MODEL=smoke SLOTS=2 TOKENS_PER_SLOT=8 ROUNDS=1 SAMPLE_SLOTS=2 PROMPTS_PER_SLOT=2 \
 #     PROMPT_LEN=8 NEW_TOKENS=4 bench/gpu_check.sh /tmp/scratch
@@ -41,6 +45,9 @@ SAMPLE_SLOTS=${SAMPLE_SLOTS:-16}
 PROMPTS_PER_SLOT=${PROMPTS_PER_SLOT:-8}
 PROMPT_LEN=${PROMPT_LEN:-1024}
 NEW_TOKENS=${NEW_TOKENS:-64}
+PROFILE=${PROFILE-$SCRATCH/profile}
+profile=()
+if [[ -n $PROFILE ]]; then profile=(--profile "$PROFILE"); fi
 
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TMPDIR="$SCRATCH" PYTHONUNBUFFERED=1
@@ -80,13 +87,13 @@ for name in $STAGES; do
     train)
       stage train "${TRAIN_TIMEOUT_S:-150}" "$PYTHON" -m loraplex.bench train --model "$MODEL" \
         --device "$DEVICE" --slots "$SLOTS" --tokens-per-slot "$TOKENS_PER_SLOT" --rounds "$ROUNDS" \
-        --peak-tflops "$PEAK_TFLOPS" --skip-naive --no-memory --json
+        --peak-tflops "$PEAK_TFLOPS" --skip-naive --no-memory --json "${profile[@]}"
       ;;
     sample)
-      stage sample "${SAMPLE_TIMEOUT_S:-120}" "$PYTHON" -m loraplex.bench sample --model "$MODEL" \
+      stage sample "${SAMPLE_TIMEOUT_S:-150}" "$PYTHON" -m loraplex.bench sample --model "$MODEL" \
         --device "$DEVICE" --slots "$SAMPLE_SLOTS" --prompts-per-slot "$PROMPTS_PER_SLOT" \
         --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" --rounds "$ROUNDS" --hbm-gbps "$HBM_GBPS" \
-        --skip-hf --no-memory --json
+        --skip-hf --no-memory --json "${profile[@]}"
       ;;
     *)
       echo "unknown stage '$name' (tests, train, sample)" >&2
@@ -114,5 +121,16 @@ if (s := summary("sample")) is not None:
     print(f"sample: {s['snapshots']} adapters x {s['prompts_per_snapshot']} prompts, {s['new_tokens']} new tokens: "
           f"{s['tokens_per_s']:.0f} tokens/s; decode step {s['decode_step_ms']:.2f} ms = "
           f"{s['decode_step_over_bound']:.2f}x its {s['hbm_gbps']:g} GB/s traffic bound of {s['decode_bound_ms']:.2f} ms")
+for name in ("train", "sample"):
+    s = summary(name)
+    if s is None or "profile_phases" not in s:
+        continue
+    phases = ", ".join(f"{k} {v['host_ms'] / v['calls']:.2f}" for k, v in sorted(s["profile_phases"].items()))
+    device = ""
+    if "profile_device_busy" in s:
+        device = (f"; device busy {s['profile_device_busy']:.0%}, {s['profile_kernel_launches']} kernel and "
+                  f"{s['profile_graph_launches']} graph launches")
+    print(f"{name} profile: {s['profile_wall_s']:.2f} s wall, {s['profile_host_cpu_s']:.2f} s host CPU{device}; "
+          f"host ms per call: {phases} (tables: {s['profile_trace'].replace('.trace.json', '.ops.txt')})")
 PY
 exit $status

@@ -79,6 +79,11 @@ def test_gpu_check_dry_runs_every_stage_on_the_cpu_and_prints_the_figures(tmp_pa
     assert "SKIPPED" in (scratch / "tests.out").read_text()  # the gpu tests ran into their skip, visibly
     assert "MFU at 4N" in done.stdout and "traffic bound" in done.stdout
     assert sorted(p.name for p in scratch.glob("*.out")) == ["sample.out", "tests.out", "train.out"]
+    # One profiled step and round: their tables under SCRATCH/profile, their phases in the last lines.
+    profiles = sorted(p.name for p in (scratch / "profile").iterdir())
+    assert profiles == ["sample.ops.txt", "sample.trace.json", "train.ops.txt", "train.trace.json"]
+    assert "train profile:" in done.stdout and "pass.forward" in done.stdout
+    assert "sample profile:" in done.stdout and "sampler.decode_forward" in done.stdout
 
 
 def test_gpu_check_refuses_a_call_without_its_scratch_directory() -> None:

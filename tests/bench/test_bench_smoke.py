@@ -207,3 +207,51 @@ def test_bench_registers_on_the_loraplex_command_with_the_contract_flags() -> No
     residency = parser.parse_args(["bench", "residency", *flags])
     assert (residency.slots, residency.tokens_per_slot, residency.rank) == (3, 16, 8)
     assert callable(residency.handler) and residency.server_timeout_s == 300.0
+
+
+def test_profile_runs_one_more_step_and_round_and_names_the_engines_phases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--profile DIR`: one more fused pass (train) or sampling round (sample) under torch.profiler, its
+    timeline and op tables under DIR, and each phase's calls in the summary; the timed figures are the
+    timed rounds' alone."""
+    train_args = ["train", *FAST, "--slots", "2", "--tokens-per-slot", "6", "--skip-naive"]
+    *_, summary = run_json([*train_args, "--profile", str(tmp_path)], capsys)
+    calls = {name: phase["calls"] for name, phase in summary["profile_phases"].items()}
+    assert calls == dict.fromkeys(
+        ["pass.inputs", "pass.forward", "pass.head_and_loss", "pass.backward", "pass.read_back"], 1
+    )
+    assert summary["profile_wall_s"] > 0 and "profile_device_busy" not in summary  # no CUDA timeline here
+
+    shape = ["--slots", "2", "--prompts-per-slot", "3", "--prompt-len", "5", "--new-tokens", "4"]
+    *_, summary = run_json(
+        ["sample", *FAST, *shape, "--skip-hf", "--no-memory", "--profile", str(tmp_path)], capsys
+    )
+    calls = {name: phase["calls"] for name, phase in summary["profile_phases"].items()}
+    # 3 steps: the first admits and prefills every prompt (drawing each first token), then decodes as the
+    # next two do: 4 draws, 3 decode forwards. Each step admits (nothing after the first).
+    assert calls == {
+        "sampler.admit": 3,
+        "sampler.prefill": 1,
+        "sampler.draw": 4,
+        "sampler.read_back": 4,
+        "sampler.decode_inputs": 3,
+        "sampler.decode_forward": 3,
+    }
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sample.ops.txt",
+        "sample.trace.json",
+        "train.ops.txt",
+        "train.trace.json",
+    ]
+    table = (tmp_path / "sample.ops.txt").read_text()
+    assert "sampler.decode_forward" in table and "ops by self_cpu_time_total:" in table
+    assert json.loads((tmp_path / "train.trace.json").read_text())["traceEvents"]
+
+
+def test_profile_refuses_a_sweep_it_would_not_record(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["train", *FAST, "--sweep", "--profile", str(tmp_path)]) == 2
+    assert "--profile records one point in this process" in capsys.readouterr().err
+    assert not tmp_path.joinpath("train.ops.txt").exists()

@@ -89,6 +89,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         help="engine ranks, as `serve --nproc` runs them (one GPU each); MFU and roofline per device",
     )
     train.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per group, as `serve --tp`")
+    _profile_option(train, "the fused pass")
     train.set_defaults(handler=_handler("train"))
     optim = subcommands.add_parser("optim", help="Fused multi-slot AdamW step vs a per-slot AdamW loop.")
     _common(optim, slots=64)
@@ -130,6 +131,7 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="measure peak memory of each configuration alone (default: on)",
     )
+    _profile_option(sample, "the engine's sampling round")
     sample.set_defaults(handler=_handler("sample"))
     api = subcommands.add_parser(
         "api", help="The train workload through the tinker SDK over HTTP vs direct engine calls."
@@ -145,6 +147,17 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     _common(residency, slots=8)
     _server_options(residency)
     residency.set_defaults(handler=_handler("residency"))
+
+
+def _profile_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"after the timed rounds, run {what} once more under torch.profiler and write its timeline "
+        "and op tables under DIR (bench/profile.py)",
+    )
 
 
 def _server_options(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from loraplex.bench import report
 from loraplex.bench.memory import own_peak_rss_mb, peak_gpu_mb, peak_rss_mb
+from loraplex.bench.profile import profile_round
 from loraplex.bench.roofline import decode_step_bytes
 from loraplex.bench.timing import Stat, ratios, time_interleaved
 from loraplex.bench.train import build_engine, run_dtype
@@ -317,11 +318,15 @@ def bench_sample(args: argparse.Namespace) -> int:
                 device.type == "cpu",
                 log_path,
             )
+        engine_run = runs["engine"]
+        assert isinstance(engine_run, EngineSampling)
         try:
             timings = time_interleaved(runs, rounds, _WARMUP, device)
         finally:
             if vllm is not None:
                 vllm.close()
+        timed_steps = list(engine_run.step_seconds)  # the profiled round's steps are not timed ones
+        profiled = profile_round(engine_run, device, args.profile, "sample") if args.profile else {}
         spec = {
             "bench": "sample",
             "model_dir": str(model_dir),
@@ -333,9 +338,7 @@ def bench_sample(args: argparse.Namespace) -> int:
         memory = _memory(runs, device, spec, not args.skip_hf) if args.memory else {}
         context = report.context(args, device, run_dtype(device), rounds, _WARMUP)
     figures = _summarize(shape, timings.seconds)
-    engine_run = runs["engine"]
-    assert isinstance(engine_run, EngineSampling)
     weight_bytes = torch.finfo(run_dtype(device)).bits // 8
-    figures |= _decode_figures(shape, config, engine_run.step_seconds, prompts, weight_bytes, args.hbm_gbps)
-    report.emit_run(timings, shape.generated_tokens, context, figures, memory, args.json)
+    figures |= _decode_figures(shape, config, timed_steps, prompts, weight_bytes, args.hbm_gbps)
+    report.emit_run(timings, shape.generated_tokens, context, figures | profiled, memory, args.json)
     return 0

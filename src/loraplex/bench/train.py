@@ -21,6 +21,7 @@ import torch
 from loraplex.bench import report
 from loraplex.bench.baselines import NaivePeftLoop
 from loraplex.bench.memory import own_peak_rss_mb, peak_gpu_mb, peak_rss_mb
+from loraplex.bench.profile import profile_round
 from loraplex.bench.ranks import BenchEngine, build_bench_engine, engine_ranks, local_part
 from loraplex.bench.roofline import (
     DenseMatmul,
@@ -142,6 +143,7 @@ def _measure_point(
     try:
         timings = time_interleaved(runs, rounds, _WARMUP, device)
         memory = _memory(runs, local, model_dir, shape) if has_memory else {}
+        profiled = profile_round(case.fused, device, args.profile, "train") if args.profile else {}
     finally:
         case.close()
     rows = report.round_rows(timings)
@@ -149,7 +151,7 @@ def _measure_point(
         config, shape, timings.seconds, matmul.flops, args.peak_tflops, local.logprob_chunk, args.nproc
     )
     summary.update(report.stall_summary(timings))
-    return rows, {**summary, **memory}
+    return rows, {**summary, **memory, **profiled}
 
 
 def _memory(
@@ -226,6 +228,8 @@ def bench_train(args: argparse.Namespace) -> int:
         raise UserError(
             "--nproc > 1 measures the engine ranks alone: add --skip-naive (the PEFT loop is one device's)"
         )
+    if args.profile and (args.sweep or args.nproc > 1):
+        raise UserError("--profile records one point in this process: leave out --sweep and --nproc")
     if args.nproc > 1 and has_memory and device.type != "cuda":
         raise UserError(
             "--nproc > 1 on a CPU measures no memory (the probe rebuilds one rank): add --no-memory"

@@ -25,6 +25,7 @@ from torch import Tensor
 from loraplex.engine.health import health_stats
 from loraplex.engine.logprobs import chunked_token_logprobs, chunked_token_logprobs_backward
 from loraplex.engine.losses import LossBatch, compute_loss, is_per_token_loss, pack_loss_inputs
+from loraplex.engine.phases import phase
 from loraplex.engine.types import PassRequest, PassResult
 from loraplex.errors import UserError
 from loraplex.model.decoder import Decoder
@@ -94,44 +95,53 @@ def _place(accepted: list[tuple[int, PassRequest, dict[str, float]]]) -> list[_P
 
 def _compute(decoder: Decoder, placed: list[_Placed], chunk_size: int, is_training: bool) -> list[PassResult]:
     device = decoder.lm_head.weight.device
-    datums = [d for p in placed for d in p.request.datums]
-    lengths = [len(d.tokens) for d in datums]
-    packing = PackedSequences.from_lengths(lengths, device)
-    routing = LoRARouting.from_sequences(lengths, [p.request.slot for p in placed for _ in p.request.datums])
-    tokens_T = to_device(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]), device)
-    hidden_TD = decoder(tokens_T, packing, routing)
+    with phase("pass.inputs"):
+        datums = [d for p in placed for d in p.request.datums]
+        lengths = [len(d.tokens) for d in datums]
+        packing = PackedSequences.from_lengths(lengths, device)
+        slots = [p.request.slot for p in placed for _ in p.request.datums]
+        routing = LoRARouting.from_sequences(lengths, slots)
+        tokens_T = to_device(np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums]), device)
+        targets = to_device(_padded_targets(placed), device)
+        batches = [
+            pack_loss_inputs(
+                p.request.loss_fn, p.config, [d.loss_fn_inputs for d in p.request.datums], device
+            )
+            for p in placed
+        ]
+    with phase("pass.forward"):
+        hidden_TD = decoder(tokens_T, packing, routing)
 
     def head_fn(hidden_CD: Tensor, start: int, end: int) -> Tensor:
         return decoder.lm_head(hidden_CD, routing.slice(start, end))
 
-    targets = to_device(_padded_targets(placed), device)
-    batches = [
-        pack_loss_inputs(p.request.loss_fn, p.config, [d.loss_fn_inputs for d in p.request.datums], device)
-        for p in placed
-    ]
     if is_training and all(p.request.forward_only or is_per_token_loss(p.request.loss_fn) for p in placed):
         # The lm_head's backward runs inside its chunked forward; the decoder's follows from its gradient.
         objective_fn = partial(_chunk_objective, placed, batches)
-        lp_TK, grad_TD = chunked_token_logprobs_backward(
-            hidden_TD, head_fn, targets, chunk_size, objective_fn, decoder.vocab_shard
-        )
+        with phase("pass.head_and_loss"):
+            lp_TK, grad_TD = chunked_token_logprobs_backward(
+                hidden_TD, head_fn, targets, chunk_size, objective_fn, decoder.vocab_shard
+            )
         if grad_TD is not None:  # None when only the lm_head's LoRA trains
-            hidden_TD.backward(grad_TD)
+            with phase("pass.backward"):
+                hidden_TD.backward(grad_TD)
         with torch.no_grad():
             return _to_results(
                 [_request_outputs(p, batch, lp_TK)[1:] for p, batch in zip(placed, batches, strict=True)]
             )
 
-    lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size, decoder.vocab_shard)
-    objective: list[Tensor] = []
-    per_request: list[_Outputs] = []
-    for p, batch in zip(placed, batches, strict=True):
-        outputs = _request_outputs(p, batch, lp_TK)
-        if not p.request.forward_only:
-            objective.append(outputs[0].sum())
-        per_request.append(outputs[1:])
+    with phase("pass.head_and_loss"):
+        lp_TK = chunked_token_logprobs(hidden_TD, head_fn, targets, chunk_size, decoder.vocab_shard)
+        objective: list[Tensor] = []
+        per_request: list[_Outputs] = []
+        for p, batch in zip(placed, batches, strict=True):
+            outputs = _request_outputs(p, batch, lp_TK)
+            if not p.request.forward_only:
+                objective.append(outputs[0].sum())
+            per_request.append(outputs[1:])
     if is_training:
-        torch.stack(objective).sum().backward()
+        with phase("pass.backward"):
+            torch.stack(objective).sum().backward()
     return _to_results(per_request)
 
 
@@ -202,7 +212,8 @@ def _to_results(per_request: Sequence[_Outputs]) -> list[PassResult]:
         for lps, losses, metrics, health in per_request
         for t in (*lps, *losses, *metrics.values(), *health.values())
     ]
-    flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().numpy()
+    with phase("pass.read_back"):
+        flat = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().numpy()
     values = iter(np.split(flat, np.cumsum([t.numel() for t in tensors])[:-1]))
     results = []
     for lps, losses, metrics, health in per_request:

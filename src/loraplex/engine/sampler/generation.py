@@ -34,6 +34,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from loraplex.engine.phases import phase
 from loraplex.engine.sampler.decode_buckets import batch_bucket, span_bucket
 from loraplex.engine.sampler.decode_graphs import CaptureError, DecodeGraphs
 from loraplex.engine.sampler.prompt_scores import PromptAsks, PromptScores, score_prompt
@@ -268,9 +269,11 @@ class Sampler:
     @torch.no_grad()
     def _step(self, max_prefill_tokens: int | None) -> list[tuple[str, SampleResult | UserError]]:
         finished: list[tuple[str, SampleResult | UserError]] = []
-        admitted = self._admit(max_prefill_tokens, finished)
+        with phase("sampler.admit"):
+            admitted = self._admit(max_prefill_tokens, finished)
         if admitted:
-            self._prefill(admitted)
+            with phase("sampler.prefill"):
+                self._prefill(admitted)
         active = [
             (job, sequence)
             for job in sorted(self._jobs.values(), key=lambda job: job.batch_order)
@@ -403,12 +406,15 @@ class Sampler:
         """Feed every active sequence's last token (one KV-cache decode step, padded to its bucket) and draw
         the next ones."""
         sequences = [sequence for _, sequence in active]
-        tokens_B, step, routing = self._bucketed_step(
-            [sequence.row for sequence in sequences],
-            [sequence.tokens[-1] for sequence in sequences],
-            [job.snapshot_id for job, _ in active],
-        )
-        self._draw(self._step_logits(tokens_B, step, routing)[: len(sequences)], sequences)
+        with phase("sampler.decode_inputs"):
+            tokens_B, step, routing = self._bucketed_step(
+                [sequence.row for sequence in sequences],
+                [sequence.tokens[-1] for sequence in sequences],
+                [job.snapshot_id for job, _ in active],
+            )
+        with phase("sampler.decode_forward"):
+            logits_BV = self._step_logits(tokens_B, step, routing)[: len(sequences)]
+        self._draw(logits_BV, sequences)
 
     def _step_logits(self, tokens_B: Tensor, step: DecodeStep, routing: LoRARouting) -> Tensor:
         """The step's (B, V) logits: replayed from its bucket's graph where graphs are on; eager where they
@@ -448,13 +454,17 @@ class Sampler:
 
     def _draw(self, logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
         """Draw one token per sequence, append it, and retire the sequences that stop."""
-        uniforms_B = torch.cat(
-            [torch.rand(1, generator=sequence.generator, dtype=torch.float64) for sequence in sequences]
-        )
-        tokens_B, logprobs_B = draw_tokens(logits_BV, [sequence.params for sequence in sequences], uniforms_B)
-        self._record_top_logprobs(logits_BV, sequences)
+        with phase("sampler.draw"):
+            uniforms_B = torch.cat(
+                [torch.rand(1, generator=sequence.generator, dtype=torch.float64) for sequence in sequences]
+            )
+            params = [sequence.params for sequence in sequences]
+            tokens_B, logprobs_B = draw_tokens(logits_BV, params, uniforms_B)
+            self._record_top_logprobs(logits_BV, sequences)
+        with phase("sampler.read_back"):
+            drawn = _read_back(tokens_B, logprobs_B)
         self.sampled_tokens += len(sequences)
-        for sequence, token, logprob in zip(sequences, *_read_back(tokens_B, logprobs_B), strict=True):
+        for sequence, token, logprob in zip(sequences, *drawn, strict=True):
             sequence.tokens.append(token)
             sequence.logprobs.append(logprob)
             if sequence.stops.is_stop(token):
