@@ -40,13 +40,22 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> LocalEngine:
     return build_local_engine("tiny", tmp_path_factory.mktemp("data"), "cpu", 1, 8, None)
 
 
-def test_rows_round_up_to_powers_of_two_then_multiples_of_eight_spans_to_blocks_times_powers_of_two() -> None:
+def test_rows_round_up_to_powers_of_two_then_multiples_of_eight_spans_to_quarter_doublings() -> None:
     assert [batch_bucket(n, 128) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 100, 128)] == [
         *(1, 2, 4, 4, 8, 8, 16, 16, 24, 104, 128)
     ]
     assert [batch_bucket(n, 12) for n in (9, 12)] == [12, 12]  # never past the largest batch
-    assert [span_bucket(n, 4096) for n in (1, 16, 17, 33, 1025, 4096)] == [16, 16, 32, 64, 2048, 4096]
+    # Whole blocks up to 8 of them, then four steps per doubling: 160, 192, 224, 256, 320, ...
+    spans = (1, 16, 17, 33, 128, 129, 161, 257, 1025, 1088, 1089, 4096)
+    assert [span_bucket(n, 4096) for n in spans] == [
+        *(16, 16, 32, 48, 128, 160, 192, 320, 1280, 1280, 1280, 4096)
+    ]
     assert span_bucket(3000, 3000) == 3008  # the context rounded up to a block
+    # Never a quarter more blocks than the span fills; each bucket its own bucket.
+    for span in range(1, 8193):
+        bucket = span_bucket(span, 8192)
+        assert bucket % 16 == 0 and span <= bucket < 1.25 * (-(-span // 16) * 16)
+        assert span_bucket(bucket, 8192) == bucket
     with pytest.raises(ValueError):
         batch_bucket(129, 128)
     with pytest.raises(ValueError):
@@ -80,12 +89,12 @@ def _decode_ops(engine: LocalEngine, num_samples: int, prompt_length: int) -> Op
 def test_within_a_bucket_decode_steps_of_other_rows_and_lengths_run_the_same_ops_on_the_same_shapes(
     engine: LocalEngine,
 ) -> None:
-    three_rows_36_positions = _decode_ops(engine, 3, 35)  # 4 rows of span 64
-    four_rows_51_positions = _decode_ops(engine, 4, 50)
-    assert three_rows_36_positions == four_rows_51_positions
+    three_rows_36_positions = _decode_ops(engine, 3, 35)  # 4 rows of span 48
+    four_rows_47_positions = _decode_ops(engine, 4, 46)
+    assert three_rows_36_positions == four_rows_47_positions
     assert any(op.startswith("aten.index_select") for op, _ in three_rows_36_positions)  # the forward ran
     assert _decode_ops(engine, 5, 35) != three_rows_36_positions  # 8 rows: the recorder tells buckets apart
-    assert _decode_ops(engine, 3, 70) != three_rows_36_positions  # span 128
+    assert _decode_ops(engine, 3, 50) != three_rows_36_positions  # span 64
 
 
 def test_a_sampler_of_three_rows_decodes_three_rows_not_a_bucket_of_four(engine: LocalEngine) -> None:

@@ -30,7 +30,7 @@ from tests.model.host_syncs import cuda_syncs_raise
 
 LENGTHS = (5, 17, 3, 40, 9, 2, 33, 12, 20)  # prompt lengths of the rows
 # The rows of each step, each step of another bucket than the step before or of other rows in the same one:
-# (4 rows, span 32) twice, (1, 32), (16, 64), (4, 32) again, (4, 64) twice.
+# (4 rows, span 32) twice, (1, 32), (16, 48), (4, 32) again, (4, 48) twice.
 ROW_SETS = ([0, 1, 2], [2, 4, 7, 8], [1], [0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2], [3, 6, 7, 8], [5, 6, 3])
 
 
