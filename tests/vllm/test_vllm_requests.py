@@ -17,6 +17,15 @@ from loraplex.config import ServerConfig
 from loraplex.engine.snapshots import WEIGHTS_FILE
 from loraplex.engine.types import SampleRequest, SamplingParams
 from loraplex.errors import FieldError, ServerError, UnavailableError, UserError
+from loraplex.runtime.vllm.base_check import (
+    MAX_MEAN_LOGPROB_GAP,
+    PROMPT_TOKENS,
+    base_model_mismatch,
+    check_body,
+    check_prompt,
+    logprob_gap,
+    served_logprobs,
+)
 from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result, vllm_seed
 from loraplex.runtime.vllm.sampler import ROWS_PER_SERVER, VllmSampler
 from loraplex.runtime.vllm.server import VllmServer, adapter_name
@@ -263,3 +272,30 @@ def test_staged_snapshots_are_copied_once_loaded_by_the_servers_path_and_dropped
     staging.drop(a)
     assert not (tmp_path / "staged" / name).exists()
     assert SnapshotStaging().path_for(a, name) == str(a.resolve())  # without staging: the data dir's path
+
+
+# ---- the base-model check
+
+
+def test_the_base_model_check_scores_a_fixed_prompt_and_refuses_logprobs_past_rounding() -> None:
+    prompt = check_prompt(vocab_size=512)
+    assert prompt == check_prompt(512) and len(set(prompt)) == PROMPT_TOKENS and max(prompt) < 512
+    body = check_body("lp-base", prompt)
+    assert (body["model"], body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (
+        "lp-base",
+        prompt,
+        0,
+        1,
+    )
+    # vLLM's answer: no logprob for the first token, then a dict keyed by the id (as a string) per token.
+    engine_logprobs = -np.linspace(1.0, 8.0, PROMPT_TOKENS - 1)
+    scored = zip(prompt[1:], engine_logprobs, strict=True)
+    positions = [None] + [{str(token): {"logprob": lp, "rank": 3}} for token, lp in scored]
+    served = served_logprobs({"choices": [{"prompt_logprobs": positions}]}, prompt)
+    assert served.tolist() == engine_logprobs.tolist()
+
+    assert logprob_gap(engine_logprobs, served + 0.2) == pytest.approx(0.2)
+    assert base_model_mismatch(0.2) is None  # rounding's order in bf16
+    why = base_model_mismatch(logprob_gap(engine_logprobs, served - 1.5))
+    assert why is not None and "differ from the engine's by 1.5 nats on average" in why
+    assert f"a fixed {PROMPT_TOKENS}-token prompt" in why and f"at most {MAX_MEAN_LOGPROB_GAP:g}" in why

@@ -6,22 +6,27 @@ stalled mid-sample."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import tinker
+import torch
+from safetensors.torch import load_file, save_file
 from tinker import types
 
 from loraplex.engine.types import SampleRequest, SamplingParams
+from loraplex.runtime.vllm.base_check import MAX_MEAN_LOGPROB_GAP
 from loraplex.runtime.vllm.server import adapter_name
 from tests.cookbook.conftest import Cookbook, metric
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, _servers
 from tests.e2e.sdk import client, sft_datum
 from tests.vllm.conftest import Reference, ids, wait_until_sampler_up
 
@@ -370,6 +375,57 @@ def _settle(http: httpx.Client, future: dict, timeout_s: float = 120) -> httpx.R
         if answer.status_code != 200 or answer.json().get("type") != "try_again":
             return answer
     raise TimeoutError(future)
+
+
+def _another_base_model(tiny_dir: Path, directory: Path) -> Path:
+    """The tiny model's architecture and tokenizer with other random weights, each tensor drawn at its own
+    scale (a checkpoint nobody trains on this server; norms kept)."""
+    shutil.copytree(tiny_dir, directory)
+    weights = load_file(directory / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    other = {
+        name: t if t.ndim == 1 else t.std() * torch.randn(t.shape, generator=generator)
+        for name, t in weights.items()
+    }
+    save_file(other, directory / "model.safetensors")
+    return directory
+
+
+def test_vllm_url_servers_of_the_engines_base_model_sample_and_one_of_another_model_is_refused(
+    server, reference, tmp_path
+) -> None:
+    """`--vllm-url` at a running vLLM server (the module's): a second loraplex serving the same base model
+    samples on it greedily as the built-in sampler does; a third, serving a model of the same architecture
+    with other weights, leaves it down, saying that it serves another base model (base_check.py)."""
+    (vllm,) = httpx.get(f"{server.base_url}/api/v1/healthz").json()["sampler"]["servers"]
+    other_model = _another_base_model(server.data_dir / "models" / "tiny", tmp_path / "other-model")
+    (tmp_path / "same").mkdir()
+    (tmp_path / "other").mkdir()
+    with _servers(tmp_path / "same") as start:
+        same = start("--sampler", "vllm", "--vllm-url", vllm["url"])
+        wait_until_sampler_up(same)
+        sampler = client(same).create_sampling_client(base_model="loraplex/tiny").result()
+        params = types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, stop=[])
+        futures = [sampler.sample(types.ModelInput.from_ints(p), 1, params) for p in PROMPTS[:4]]
+        for prompt, future in zip(PROMPTS, futures, strict=False):
+            (sample,) = future.result().sequences
+            tokens, logprobs, untied = _greedy_reference(reference, prompt, None)
+            assert ids(sample.tokens) == tokens or not untied, prompt
+            np.testing.assert_allclose(sample.logprobs[:1], logprobs[:1], atol=LOGPROB_ATOL)
+
+    with _servers(tmp_path / "other") as start:
+        other = start("--model", str(other_model), "--sampler", "vllm", "--vllm-url", vllm["url"])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            (refused,) = httpx.get(f"{other.base_url}/api/v1/healthz").json()["sampler"]["servers"]
+            if refused["failure"]:
+                break
+            time.sleep(0.5)
+        assert not refused["up"], refused
+        assert "it serves another base model than the engine's" in refused["failure"], refused
+        gap = float(refused["failure"].split("differ from the engine's by ")[1].split(" nats")[0])
+        print(f"another random tiny model: logprobs {gap} nats apart on average")
+        assert gap > MAX_MEAN_LOGPROB_GAP
 
 
 @pytest.mark.parametrize("fault", ["killed", "stalled"])

@@ -25,13 +25,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from loraplex.config import ServerConfig
 from loraplex.engine.interface import Engine
 from loraplex.engine.sampler.validation import resolved_max_tokens
-from loraplex.engine.types import LoraConfig, SampleProgress, SampleRequest, SampleResult, SamplingParams
-from loraplex.errors import UnavailableError, UserError
+from loraplex.engine.types import (
+    DatumInput,
+    LoraConfig,
+    PassRequest,
+    SampleProgress,
+    SampleRequest,
+    SampleResult,
+    SamplingParams,
+)
+from loraplex.errors import ServerError, UnavailableError, UserError
 from loraplex.os_threads import name_os_thread
 from loraplex.runtime.core.sampler_backend import EngineSampler, SamplerBackend, SamplerServer
+from loraplex.runtime.vllm.base_check import (
+    base_model_mismatch,
+    check_body,
+    check_prompt,
+    logprob_gap,
+    served_logprobs,
+)
 from loraplex.runtime.vllm.process import VllmProcess, lora_server
 from loraplex.runtime.vllm.requests import calls, completion_body, refuse_unsupported, sample_result
 from loraplex.runtime.vllm.server import VllmServer
@@ -100,6 +117,10 @@ class VllmSampler(SamplerBackend):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="loraplex-vllm", daemon=True)
         self._supervisors: list[concurrent.futures.Future[None]] = []
+        self._check_prompt = check_prompt(engine.info.vocab_size)
+        self._engine_logprobs = np.zeros(0)  # the check prompt's, scored by the engine at start
+        for server in servers:
+            server.check_base_model = self._check_base_model
 
     @classmethod
     def from_config(cls, config: ServerConfig, engine: Engine, wake: Callable[[], None]) -> VllmSampler:
@@ -149,14 +170,20 @@ class VllmSampler(SamplerBackend):
 
     # --- lifecycle
     def start(self) -> None:
-        """Write the base model's zero adapter (before the engine loop runs: a slot for a moment), then
-        start the servers."""
+        """Write the base model's zero adapter (before the engine loop runs: a slot for a moment) and score
+        the base-model check's prompt on the engine, then start the servers."""
         shutil.rmtree(self.base_adapter, ignore_errors=True)
         slot = self.engine.create_slot(LoraConfig(rank=1))  # B starts at zero
         try:
             self.engine.save_snapshot(slot, self.base_adapter)
         finally:
             self.engine.free_slot(slot)
+        prompt = np.array(self._check_prompt)
+        datum = DatumInput(prompt[:-1], {"target_tokens": prompt[1:]})
+        (scored,) = self.engine.run_pass([PassRequest(None, "cross_entropy", {}, [datum], forward_only=True)])
+        if isinstance(scored, UserError):
+            raise scored
+        self._engine_logprobs = np.asarray(scored.outputs[0]["logprobs"], dtype=np.float64)
         self._thread.start()
         self._supervisors = [
             asyncio.run_coroutine_threadsafe(server.supervise(), self._loop) for server in self._servers
@@ -319,6 +346,20 @@ class VllmSampler(SamplerBackend):
             raise UnavailableError(f"{server.where} went down while sampling: {server.failure}") from None
         finally:
             server.requests.discard(task)
+
+    async def _check_base_model(self, server: VllmServer) -> None:
+        """ServerError if `server` serves another base model than the engine's (base_check.py)."""
+        name = await server.use_adapter(self.base_adapter)
+        try:
+            answer = await server.complete(check_body(name, self._check_prompt))
+        except UserError as error:
+            raise ServerError(f"it refused the base-model check's prompt: {error}") from error
+        finally:
+            server.release_adapter(name)
+        gap = logprob_gap(self._engine_logprobs, served_logprobs(answer, self._check_prompt))
+        if why := base_model_mismatch(gap):
+            raise ServerError(why)
+        log.info("%s serves the engine's base model (logprobs %.3g nats apart on average)", server.where, gap)
 
     async def _pick_server(self) -> VllmServer:
         """The server that is up with the fewest requests; waits a while for one to come up."""

@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,9 @@ class VllmServer:
         self.max_loras, self.timeout_s, self.start_timeout_s = max_loras, timeout_s, start_timeout_s
         self.staging = staging or SnapshotStaging()
         self.base_model = ""  # the name it serves its base model under (learned from /v1/models)
+        # Raises ServerError if the server serves another base model than the engine's (the sampler's
+        # check, base_check.py); run each time the server comes up, before it takes requests.
+        self.check_base_model: Callable[[VllmServer], Awaitable[None]] | None = None
         self.up = asyncio.Event()
         self.restarts = 0  # times it went down and came back
         self.failure = ""  # why it last went down
@@ -110,6 +113,7 @@ class VllmServer:
                 pause = min(_RESTART_PAUSE_S * 2 ** (failed_starts - 1), _MAX_RESTART_PAUSE_S)
                 log.error("%s did not come up: %s; trying again in %g s", self.where, error, pause)
                 self.failure = str(error)
+                self.adapters.clear()  # what the check loaded may be gone by the next try
                 if self.process is not None:
                     self.process.kill()
                 await asyncio.sleep(pause)
@@ -129,6 +133,8 @@ class VllmServer:
                 raise ServerError(f"it exited with code {code}; the end of its log:\n{tail}")
             if await self._answers():
                 self.base_model = await self._served_base_model()
+                if self.check_base_model is not None:
+                    await self.check_base_model(self)
                 return
             await asyncio.sleep(0.5)
         assert self.process is not None
