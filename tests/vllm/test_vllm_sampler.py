@@ -433,8 +433,9 @@ def test_a_vllm_server_that_dies_or_stalls_mid_sample_fails_it_retryably_then_co
     fault, server, service
 ) -> None:
     """kill -9 (or SIGSTOP, past --vllm-timeout-s) of the vLLM server while it samples: the request's
-    future answers 410 (the SDK sends the sample again), the server is restarted, healthz and /metrics
-    show it, and the next sample, through the SDK, succeeds."""
+    future answers 410, the server is restarted, healthz and /metrics show it, and the next sample, through
+    the SDK, succeeds. An SDK sample in flight at the fault sees what an RL loop sees: nothing but a delay
+    (the SDK sends a sample whose future failed retryably again)."""
     http = httpx.Client(base_url=f"{server.base_url}/api/v1", headers={"X-API-Key": "tml-local"}, timeout=30)
     session = http.post("/create_session", json={}).json()["session_id"]
     sampler_id = http.post(
@@ -443,43 +444,35 @@ def test_a_vllm_server_that_dies_or_stalls_mid_sample_fails_it_retryably_then_co
     ).json()["sampling_session_id"]
     downs_before = httpx.get(f"{server.base_url}/api/v1/healthz").json()["sampler"]["servers"][0]["restarts"]
     pid = _vllm_pid(server)
-    future = _asample(http, sampler_id, 0, max_tokens=3000)  # long enough to be in flight for seconds
-    time.sleep(1.0)
-    os.killpg(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-    try:
-        answer = _settle(http, future)
-    finally:
-        if fault == "stalled":
-            os.killpg(pid, signal.SIGCONT)  # loraplex has killed it by now; harmless if it has
-    assert answer.status_code == 410, answer.text
-    assert "went down" in answer.json()["error"] or "could not be reached" in answer.json()["error"]
+    sdk_sampler = _sampler(service, None)
+    sdk_params = types.SamplingParams(max_tokens=1000, seed=3, stop=[])
+    with ThreadPoolExecutor(1) as pool:
+        sdk_pending = pool.submit(
+            lambda: sdk_sampler.sample(types.ModelInput.from_ints(PROMPTS[2]), 1, sdk_params).result(
+                timeout=600
+            )
+        )
+        future = _asample(http, sampler_id, 0, max_tokens=3000)  # long enough to be in flight for seconds
+        time.sleep(1.0)
+        os.killpg(pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        try:
+            answer = _settle(http, future)
+        finally:
+            if fault == "stalled":
+                os.killpg(pid, signal.SIGCONT)  # loraplex has killed it by now; harmless if it has
+        assert answer.status_code == 410, answer.text
+        assert "went down" in answer.json()["error"] or "could not be reached" in answer.json()["error"]
 
-    health = wait_until_sampler_up(server, downs=downs_before + 1)
-    (vllm,) = health["sampler"]["servers"]
-    assert vllm["restarts"] == downs_before + 1
-    assert ("exited" if fault == "killed" else "has not answered") in vllm["failure"]
-    metrics = httpx.get(f"{server.base_url}/metrics", headers={"X-API-Key": "tml-local"}).text
-    assert f'loraplex_sampler_server_down_total{{server="0"}} {downs_before + 1}.0' in metrics
-    assert 'loraplex_sampler_server_up{server="0"} 1.0' in metrics
+        health = wait_until_sampler_up(server, downs=downs_before + 1)
+        (vllm,) = health["sampler"]["servers"]
+        assert vllm["restarts"] == downs_before + 1
+        assert ("exited" if fault == "killed" else "has not answered") in vllm["failure"]
+        metrics = httpx.get(f"{server.base_url}/metrics", headers={"X-API-Key": "tml-local"}).text
+        assert f'loraplex_sampler_server_down_total{{server="0"}} {downs_before + 1}.0' in metrics
+        assert 'loraplex_sampler_server_up{server="0"} 1.0' in metrics
+        assert len(sdk_pending.result().sequences[0].tokens) == 1000
 
-    sampler = _sampler(service, None)
-    out = sampler.sample(
+    out = sdk_sampler.sample(
         types.ModelInput.from_ints(PROMPTS[0]), 2, types.SamplingParams(max_tokens=5, stop=[])
     ).result()
     assert [len(s.tokens) for s in out.sequences] == [5, 5]
-
-
-def test_an_sdk_sample_in_flight_when_the_vllm_server_dies_is_sent_again_and_succeeds(
-    server, service
-) -> None:
-    """What an RL loop sees: nothing but a delay. The SDK resends a sample its future failed retryably."""
-    sampler = _sampler(service, None)
-    params = types.SamplingParams(max_tokens=1000, seed=3, stop=[])
-    with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(
-            lambda: sampler.sample(types.ModelInput.from_ints(PROMPTS[2]), 1, params).result(timeout=600)
-        )
-        time.sleep(2.0)
-        os.killpg(_vllm_pid(server), signal.SIGKILL)
-        out = pending.result()
-    assert len(out.sequences[0].tokens) == 1000
