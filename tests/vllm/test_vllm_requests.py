@@ -280,6 +280,8 @@ def test_staged_snapshots_are_copied_once_loaded_by_the_servers_path_and_dropped
 def test_the_base_model_check_scores_a_fixed_prompt_and_refuses_logprobs_past_rounding() -> None:
     prompt = check_prompt(vocab_size=512)
     assert prompt == check_prompt(512) and len(set(prompt)) == PROMPT_TOKENS and max(prompt) < 512
+    qwen3 = check_prompt(vocab_size=151_936)  # its tokenizer has 151,669 ids: the prompt stays far below
+    assert len(set(qwen3)) == PROMPT_TOKENS and max(qwen3) < 10_000
     body = check_body("lp-base", prompt)
     assert (body["model"], body["prompt"], body["prompt_logprobs"], body["max_tokens"]) == (
         "lp-base",
