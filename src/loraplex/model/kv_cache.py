@@ -222,22 +222,20 @@ class KVCache:
         for row, position in zip(rows, positions, strict=True):
             self._grow(row, position + 1)
             self._lengths[row] = position + 1
-        slots_BL = self._slots(rows, span)
-        positions_B = np.array(positions, dtype=np.int64)
-        is_visible_BL = np.arange(span)[None, :] <= positions_B[:, None]
-        # A position past its row's end reads the row's first token, which is written, so the masked-out
-        # scores and values stay finite (the pool is never zeroed).
-        slots_BL = np.where(is_visible_BL, slots_BL, slots_BL[:, :1])
-        if num_rows > len(rows):
-            padded = self._padded(slots_BL, positions_B, is_visible_BL, num_rows)
-            slots_BL, positions_B, is_visible_BL = padded
+        num_blocks, num_padding = self._blocks_for(span), num_rows - len(rows)
+        # Only the block tables, positions and offsets cross to the device (B·L/S + 2B integers, not the
+        # 2·B·L of the slots and mask they expand to there): a padding row's table is the scratch block,
+        # and its offset (padding row i: i mod S) gives each padding row a slot of its own.
+        table_BN = self._block_table(rows, num_blocks, num_padding)
+        positions_B = np.concatenate([positions, np.zeros(num_padding)]).astype(np.int64)
+        offsets_B = np.concatenate([np.zeros(len(rows)), np.arange(num_padding) % self.block_tokens])
         device = self._factory["device"]
-        return DecodeStep(
+        return DecodeStep.expand(
             self,
-            to_device(slots_BL[np.arange(num_rows), positions_B], device),
+            to_device(table_BN, device),
             to_device(positions_B, device),
-            to_device(slots_BL, device),
-            to_device(is_visible_BL, device),
+            to_device(offsets_B.astype(np.int64), device),
+            span,
         )
 
     def write(self, layer: int, slots_T: Tensor, k_TKH: Tensor, v_TKH: Tensor) -> None:
@@ -248,29 +246,20 @@ class KVCache:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_tokens)
 
-    def _padded(
-        self, slots_BL: np.ndarray, positions_B: np.ndarray, is_visible_BL: np.ndarray, num_rows: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The live rows' step metadata followed by padding rows up to `num_rows`: each at position 0, its
-        one visible slot its own of the scratch block (padding row i takes slot i mod S), which no live row
-        reads."""
-        num_padding, span = num_rows - len(positions_B), slots_BL.shape[1]
-        scratch_X = self.num_blocks * self.block_tokens + np.arange(num_padding) % self.block_tokens
-        is_first_XL = np.broadcast_to(np.arange(span) == 0, (num_padding, span))
-        return (
-            np.concatenate([slots_BL, np.repeat(scratch_X[:, None], span, axis=1)]),
-            np.concatenate([positions_B, np.zeros(num_padding, np.int64)]),
-            np.concatenate([is_visible_BL, is_first_XL]),
-        )
+    def _block_table(self, rows: Sequence[int], num_blocks: int, num_padding: int = 0) -> np.ndarray:
+        """(len(rows) + num_padding, num_blocks) int64: each row's first `num_blocks` blocks, its first
+        block again past its own (their positions are masked out, and read a written token), then
+        `num_padding` rows of the scratch block."""
+        tables = [self._tables[row] for row in rows]
+        tables = [(table + table[:1] * num_blocks)[:num_blocks] for table in tables]
+        tables += [[self.num_blocks] * num_blocks] * num_padding
+        return np.array(tables, np.int64).reshape(-1, num_blocks)
 
     def _slots(self, rows: Sequence[int], span: int) -> np.ndarray:
-        """(len(rows), span) int64 pool slots, on the host, of each row's first `span` positions, from one
-        padded block table; positions past a row's blocks read its first block again (the caller masks them
-        out)."""
-        num_blocks = self._blocks_for(span)
-        tables = [self._tables[row] for row in rows]
-        block_table = np.array([(table + table[:1] * num_blocks)[:num_blocks] for table in tables], np.int64)
-        slots = block_table[:, :, None] * self.block_tokens + np.arange(self.block_tokens)
+        """(len(rows), span) int64 pool slots, on the host, of each row's first `span` positions;
+        positions past a row's blocks read its first block again (the caller leaves them out)."""
+        table_BN = self._block_table(rows, self._blocks_for(span))
+        slots = table_BN[:, :, None] * self.block_tokens + np.arange(self.block_tokens)
         return slots.reshape(len(rows), -1)[:, :span]
 
     def _grow(self, row: int, length: int) -> None:
@@ -316,6 +305,21 @@ class DecodeStep:
     positions_T: Tensor  # (B,) int64 position of each new token = tokens its row held before
     slots_BL: Tensor  # (B, L) int64 pool slot of each row's positions up to the step's longest
     is_visible_BL: Tensor  # (B, L) bool: the positions each row attends to (its own, new token included)
+
+    @classmethod
+    def expand(
+        cls, cache: KVCache, table_BN: Tensor, positions_B: Tensor, offsets_B: Tensor, span: int
+    ) -> DecodeStep:
+        """The step of rows with block tables `table_BN` (on the device) at `positions_B`, over `span`
+        positions, each slot moved by its row's offset (a padding row's own slot of the scratch block).
+        A position past its row's end reads the row's first token, which is written, so the masked-out
+        scores and values stay finite (the pool is never zeroed)."""
+        S, device = cache.block_tokens, table_BN.device
+        slots_BL = (table_BN[:, :, None] * S + torch.arange(S, device=device)).flatten(1)[:, :span]
+        is_visible_BL = torch.arange(span, device=device)[None, :] <= positions_B[:, None]
+        slots_BL = torch.where(is_visible_BL, slots_BL, slots_BL[:, :1]) + offsets_B[:, None]
+        slots_B = slots_BL.gather(1, positions_B[:, None]).squeeze(1)
+        return cls(cache, slots_B, positions_B, slots_BL, is_visible_BL)
 
     def attend(self, layer: int, q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor) -> Tensor:
         """Write the layer's k, v, then attend over each row's cached tokens (see `decode_attention`)."""
