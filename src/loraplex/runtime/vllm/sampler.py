@@ -191,6 +191,8 @@ class VllmSampler(SamplerBackend):
 
     def close(self) -> None:
         if not self._thread.is_alive():
+            if self._thread.ident is None:  # never started: its loop never ran
+                self._loop.close()
             return
         for supervisor in self._supervisors:
             supervisor.cancel()
@@ -205,6 +207,13 @@ class VllmSampler(SamplerBackend):
         name_os_thread("lp-vllm")
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
+        # Stopped by close(): what is left is cancelled and the loop closed here, in its own thread, as
+        # asyncio.run ends a loop.
+        left = asyncio.all_tasks(self._loop)
+        for task in left:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        self._loop.close()
 
     # --- the engine loop's calls
     def validate_sample_request(self, request: SampleRequest) -> None:
