@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -199,15 +200,24 @@ def test_a_server_failing_inside_is_unavailable_and_a_refusal_is_the_users(tmp_p
         asyncio.run(server._post("/v1/other", {}))
 
 
-def _from_config(tmp_path: Path, **fields) -> VllmSampler:
-    config = ServerConfig(data_dir=tmp_path, sampler="vllm", **fields)
-    return VllmSampler.from_config(config, FakeEngine(), wake=lambda: None)
+@pytest.fixture
+def from_config(tmp_path: Path) -> Iterator[Callable[..., VllmSampler]]:
+    """from_config(**fields) -> the vLLM sampler a server of those fields builds (not started); each one
+    closed after the test (its event loop with it)."""
+    built: list[VllmSampler] = []
+
+    def build(**fields: object) -> VllmSampler:
+        config = ServerConfig(data_dir=tmp_path, sampler="vllm", **fields)
+        built.append(VllmSampler.from_config(config, FakeEngine(), wake=lambda: None))
+        return built[-1]
+
+    yield build
+    for sampler in built:
+        sampler.close()
 
 
-def test_vllm_devices_start_one_tensor_parallel_server_per_group(tmp_path: Path) -> None:
-    sampler = _from_config(
-        tmp_path, vllm_python=Path(sys.executable), vllm_devices="0,1;2,3", vllm_args="--seed 3"
-    )
+def test_vllm_devices_start_one_tensor_parallel_server_per_group(tmp_path: Path, from_config) -> None:
+    sampler = from_config(vllm_python=Path(sys.executable), vllm_devices="0,1;2,3", vllm_args="--seed 3")
     processes = [server.process for server in sampler._servers]
     assert [p.environment["CUDA_VISIBLE_DEVICES"] for p in processes if p] == ["0,1", "2,3"]
     for index, process in enumerate(processes):
@@ -229,13 +239,13 @@ def test_vllm_devices_start_one_tensor_parallel_server_per_group(tmp_path: Path)
         ({"vllm_python": Path("/nonexistent/python")}, "is not an executable python"),
     ],
 )
-def test_a_vllm_sampler_misconfigured_is_refused_at_start_saying_how(tmp_path: Path, fields, message) -> None:
+def test_a_vllm_sampler_misconfigured_is_refused_at_start_saying_how(from_config, fields, message) -> None:
     with pytest.raises(UserError, match=message):
-        _from_config(tmp_path, **fields)
+        from_config(**fields)
 
 
-def test_servers_given_by_url_are_spread_over_in_order(tmp_path: Path) -> None:
-    sampler = _from_config(tmp_path, vllm_url="http://a:8000/, http://b:8000")
+def test_servers_given_by_url_are_spread_over_in_order(from_config) -> None:
+    sampler = from_config(vllm_url="http://a:8000/, http://b:8000")
     assert [server.url for server in sampler._servers] == ["http://a:8000", "http://b:8000"]
     assert sampler.sampling_rows() == 2 * ROWS_PER_SERVER
 
