@@ -28,7 +28,10 @@ from tests.runtime.conftest import PHRASE, create_run, held, result_of, sft_pass
 SHORT = {"future_retention_s": 0.3, "snapshot_idle_s": 0.2, "retention_sweep_s": 0.05}
 
 
-def _wait_until(predicate, timeout_s: float = 5.0) -> None:
+# A deadline for what housekeeping does eventually, not a timing: in the whole suite on the CI machine
+# (twice, December 5) two runs were not both parked 5 s after their sessions ended, though here they are
+# within 1.6 s alone, in tests/runtime and beside tests/engine and tests/model; the cause is not found yet.
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"
@@ -244,7 +247,7 @@ def test_an_ended_sessions_runs_lose_their_parked_state_after_parked_retention_s
         return seen == {kept, dropped}
 
     _wait_until(both_parked)
-    _wait_until(lambda: not any(parked.iterdir()), timeout_s=10.0)  # ... and deleted once unused past 0.5 s
+    _wait_until(lambda: not any(parked.iterdir()))  # ... and deleted once unused past 0.5 s
 
     checkpoint = tmp_path / "data" / "checkpoints" / kept / "weights" / "keep"
     assert checkpoint.is_dir()  # named checkpoints are never deleted by this
