@@ -227,16 +227,11 @@ class KVCache:
         # 2·B·L of the slots and mask they expand to there): a padding row's table is the scratch block,
         # and its offset (padding row i: i mod S) gives each padding row a slot of its own.
         table_BN = self._block_table(rows, num_blocks, num_padding)
-        positions_B = np.concatenate([positions, np.zeros(num_padding)]).astype(np.int64)
-        offsets_B = np.concatenate([np.zeros(len(rows)), np.arange(num_padding) % self.block_tokens])
+        positions_B = np.array(positions + [0] * num_padding, np.int64)
+        offsets_B = np.array([0] * len(rows) + [i % self.block_tokens for i in range(num_padding)], np.int64)
         device = self._factory["device"]
-        return DecodeStep.expand(
-            self,
-            to_device(table_BN, device),
-            to_device(positions_B, device),
-            to_device(offsets_B.astype(np.int64), device),
-            span,
-        )
+        table_BN, positions_B, offsets_B = (to_device(a, device) for a in (table_BN, positions_B, offsets_B))
+        return DecodeStep.expand(self, table_BN, positions_B, offsets_B, span)
 
     def write(self, layer: int, slots_T: Tensor, k_TKH: Tensor, v_TKH: Tensor) -> None:
         """Store each new token's k and v of `layer` at its pool slot."""
