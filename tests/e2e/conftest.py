@@ -76,7 +76,8 @@ class Server:
                 if httpx.get(f"{self.base_url}/api/v1/healthz", timeout=1).json().get("status") == "ok":
                     return self
             except httpx.HTTPError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.1)  # also while it answers "starting": no busy loop beside a server that starts
         raise TimeoutError("server did not become healthy")
 
     def kill(self) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +38,30 @@ def test_the_flag_turns_on_torchs_deterministic_algorithms_and_fixes_the_cublas_
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+
+
+def test_a_deterministic_server_starts_without_the_compiler_and_compiles_deterministically() -> None:
+    """Importing the server and the engine and turning the switch on leave torch._dynamo and inductor
+    unimported (they cost every server and rank about 2 s of start-up, and compile nothing unless
+    `--compile` is on); the first compile then gets inductor's deterministic flag."""
+    script = (
+        "import sys, torch\n"
+        "import loraplex.api.app, loraplex.cli, loraplex.engine.local, loraplex.engine.distributed.launch\n"
+        "from loraplex.engine.determinism import use_deterministic_kernels\n"
+        "use_deterministic_kernels()\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor')))\n"
+        "assert not loaded, loaded\n"
+        "from loraplex.model.elementwise import fused\n"
+        "fused()\n"
+        "import torch._inductor.config\n"
+        "assert torch._inductor.config.deterministic\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_cumulative_probabilities_are_exact_sums_in_fixed_point() -> None:

@@ -107,8 +107,8 @@ def test_the_varlen_call_is_one_call_over_the_packs_cu_seqlens(
     """One call over the pack; where torch's varlen_attn has no `enable_gqa` (2.11) the kv heads come
     repeated to the query heads and give the same result."""
     calls: list[dict] = []
-    monkeypatch.setattr(attention, "varlen_attn", flex_varlen_stand_in(calls))
-    monkeypatch.setattr(attention, "_VARLEN_TAKES_GQA", takes_gqa)
+    kernel = attention.VarlenKernel(flex_varlen_stand_in(calls), takes_gqa)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: kernel)
     q, k, v = (x.detach() for x in _inputs(lengths, seed=len(lengths))[:3])
     packing = PackedSequences.from_lengths(lengths)
     got = varlen_attention(q, k, v, packing)
@@ -122,7 +122,8 @@ def test_the_varlen_call_is_one_call_over_the_packs_cu_seqlens(
 
 def test_the_cpu_takes_the_per_length_path(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict] = []
-    monkeypatch.setattr(attention, "varlen_attn", flex_varlen_stand_in(calls))
+    kernel = attention.VarlenKernel(flex_varlen_stand_in(calls), takes_gqa=True)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda: kernel)
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = (x.detach() for x in _inputs((3, 1), seed=0, dtype=dtype)[:3])
         packed_attention(q, k, v, PackedSequences.from_lengths((3, 1)))

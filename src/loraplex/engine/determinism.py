@@ -24,7 +24,10 @@ _CUBLAS_WORKSPACE = ":4096:8"
 def use_deterministic_kernels() -> None:
     """Make torch use deterministic kernels from here on, in this process (idempotent)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", _CUBLAS_WORKSPACE)
-    torch.use_deterministic_algorithms(True)
+    # torch.use_deterministic_algorithms(True) is this call plus inductor's own flag, and setting that flag
+    # imports torch._inductor and torch._dynamo: about 2 s at the start of every server and rank, which
+    # compile nothing unless `--compile` is on. Where they compile, model/elementwise.py sets the flag.
+    torch._C._set_deterministic_algorithms(True)
     # Which also makes every torch.empty write NaN into its buffer: a debugging aid that touches every
     # page of the KV and snapshot pools (seconds and gigabytes at start of sampling), reading nothing we
     # compute, since no kernel of ours reads a slot before writing it (tests/model/test_kv_cache.py).

@@ -12,24 +12,39 @@ P blocks of the paged cache's pool, S tokens a block.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-try:  # the flash varlen kernel: torch 2.9 on (a device machine may bring an older torch)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
-
 from loraplex.model.config import DecoderConfig
 from loraplex.model.packing import PackedSequences
 
-# GQA inside the kernel came with the pinned torch's `enable_gqa`; an older one (torch 2.11, as an H200
-# machine had it) refuses the keyword, and there the keys and values are repeated to the query heads.
-_VARLEN_TAKES_GQA = varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+class VarlenKernel(NamedTuple):
+    """torch's flash varlen kernel, and whether it takes `enable_gqa`: GQA inside the kernel came with the
+    pinned torch; an older one (torch 2.11, as an H200 machine had it) refuses the keyword, and there the
+    keys and values are repeated to the query heads."""
+
+    call: Callable[..., Tensor]
+    takes_gqa: bool
+
+
+@functools.cache
+def varlen_kernel() -> VarlenKernel | None:
+    """The varlen kernel (torch 2.9 on; a device machine may bring an older torch), imported at its first
+    use: its module imports torch._dynamo, about 1.5 s that every process would otherwise pay at start,
+    on the CPU, where the kernel never runs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return VarlenKernel(varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters)
 
 
 def _default_inv_freq(config: DecoderConfig) -> Tensor:
@@ -110,21 +125,23 @@ def has_varlen_kernel(q_TNH: Tensor) -> bool:
     forward on 2 cores with the tiny model's heads (N=4, K=2, H=64), median ms, per-length SDPA / flex:
     8 × 64 tokens 8 / 99; lengths 1..250 (T=664) 8 / 197; 4 × 512 43 / 782; lengths 1..900 (T=1856)
     200 / 688."""
-    return varlen_attn is not None and q_TNH.is_cuda and q_TNH.dtype in (torch.float16, torch.bfloat16)
+    return q_TNH.is_cuda and q_TNH.dtype in (torch.float16, torch.bfloat16) and varlen_kernel() is not None
 
 
 def varlen_attention(q_TNH: Tensor, k_TKH: Tensor, v_TKH: Tensor, packing: PackedSequences) -> Tensor:
     """The whole pack in one varlen call: causal (window (-1, 0)) within the sequences `cu_seqlens_Q1`
     bounds, GQA in the kernel (no repeated keys) where torch's kernel takes it; differentiable. The longest
     length is a host int the packing already holds, so the call needs no sync."""
+    kernel = varlen_kernel()
+    assert kernel is not None, "varlen_attention runs only where has_varlen_kernel holds"
     longest = max(packing.lengths)
     group = q_TNH.shape[1] // k_TKH.shape[1]
     gqa: dict[str, bool] = {}
-    if _VARLEN_TAKES_GQA:
+    if kernel.takes_gqa:
         gqa["enable_gqa"] = group > 1
     elif group > 1:
         k_TKH, v_TKH = k_TKH.repeat_interleave(group, dim=1), v_TKH.repeat_interleave(group, dim=1)
-    return varlen_attn(
+    return kernel.call(
         q_TNH,
         k_TKH,
         v_TKH,

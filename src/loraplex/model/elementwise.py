@@ -78,6 +78,12 @@ _MOST_VARIANTS = 32
 @cache
 def fused() -> Elementwise:
     """EAGER's functions through torch.compile (inductor), compiled lazily at their first calls."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    # Inductor's half of torch.use_deterministic_algorithms, which engine/determinism.py leaves to here
+    # (importing inductor costs every process seconds): no on-device benchmarking picks a kernel.
+    torch._inductor.config.deterministic = torch.are_deterministic_algorithms_enabled()
 
     # Past dynamo's default of 8 variants per function it would run the function eagerly, with only a
     # warning; ours may meet more (see above), so the limit is raised (for this process, whose only
