@@ -27,6 +27,7 @@ from loraplex.runtime.vllm.base_check import (
     logprob_gap,
     served_logprobs,
 )
+from loraplex.runtime.vllm.process import VllmProcess, lora_server
 from loraplex.runtime.vllm.requests import completion_body, refuse_unsupported, sample_result, vllm_seed
 from loraplex.runtime.vllm.sampler import ROWS_PER_SERVER, VllmSampler
 from loraplex.runtime.vllm.server import VllmServer, adapter_name
@@ -226,6 +227,30 @@ def test_vllm_devices_start_one_tensor_parallel_server_per_group(tmp_path: Path,
         assert "--tensor-parallel-size 2" in arguments and arguments.endswith("--seed 3")
         assert "--served-model-name fake/bigram" in arguments and "--max-lora-rank 64" in arguments
         assert process.environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+
+
+def test_on_a_cpu_vllm_gets_fp32_a_bounded_kv_cache_and_no_worker_process_unless_the_operator_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def start(on_cpu: bool) -> VllmProcess:
+        return lora_server(Path(sys.executable), tmp_path, "m", 4096, 8, 2, 20, on_cpu, tmp_path / "log")
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    on_cpu = start(on_cpu=True)
+    assert on_cpu.environment == {
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    assert " ".join(on_cpu.arguments).endswith("--dtype float32")
+    on_gpu = start(on_cpu=False)
+    assert on_gpu.environment == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    assert "--dtype" not in on_gpu.arguments
+    # What the operator set is inherited by the process, not overridden.
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    assert start(on_cpu=True).environment == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 
 
 @pytest.mark.parametrize(

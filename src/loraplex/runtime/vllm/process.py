@@ -128,9 +128,9 @@ def lora_server(
 ) -> VllmProcess:
     """How loraplex starts a vLLM server for sampling LoRA snapshots of `model_dir` (docs/VLLM.md has the
     table): adapters up to `max_rank` loaded at run time, `max_loras` at once, logprobs of the distribution
-    each token was drawn from, fp32 on a CPU (as the engine computes there), a KV cache of
-    _CPU_KV_CACHE_GIB on a CPU unless VLLM_CPU_KVCACHE_SPACE is set; on `devices` (CUDA ids) only, with
-    tensor parallelism across them; `extra_arguments` last (they win)."""
+    each token was drawn from; on a CPU fp32 (as the engine computes there), a KV cache of
+    _CPU_KV_CACHE_GIB and no worker process, unless their variables are set; on `devices` (CUDA ids)
+    only, with tensor parallelism across them; `extra_arguments` last (they win)."""
     arguments = [
         "--model",
         str(model_dir),
@@ -153,8 +153,14 @@ def lora_server(
     environment = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     if on_cpu:  # bf16 matmuls are ~100x slower on CPUs, and the engine computes in fp32
         arguments += ["--dtype", "float32"]
-        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            environment["VLLM_CPU_KVCACHE_SPACE"] = str(_CPU_KV_CACHE_GIB)
+        cpu_defaults = {
+            "VLLM_CPU_KVCACHE_SPACE": str(_CPU_KV_CACHE_GIB),
+            # The model runs in the engine core's process, not in a worker process of its own: on a
+            # CPU nothing overlaps with the model's work, and the worker costs ~10 s of start-up and
+            # an inter-process hop per step (docs/VLLM.md has the measurement).
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        }
+        environment |= {name: value for name, value in cpu_defaults.items() if name not in os.environ}
     if devices is not None:
         environment["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         arguments += ["--tensor-parallel-size", str(len(devices))]
