@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from loraplex.engine.local import LocalEngine, build_local_engine
+from loraplex.engine.sampler.generation import _Sequence
 from loraplex.engine.sampler.sampling import draw_token_reference, draw_tokens
 from loraplex.engine.sampler.stops import IncrementalDetokenizer, StopChecker
 from loraplex.engine.types import (
@@ -462,6 +463,21 @@ def test_the_prefill_budget_admits_at_least_one_request_per_step(engine) -> None
 
 
 # ---- drawing tokens
+
+
+@pytest.mark.parametrize("max_tokens", [5, 150])
+def test_a_samples_uniforms_are_its_generators_stream_though_drawn_ahead(max_tokens: int) -> None:
+    """Drawn up to 64 at a time, and never past the sample's max_tokens, the uniforms are the float64s one
+    torch.rand(1) per draw gives: a seed samples the same tokens however many are drawn ahead."""
+    generator = torch.Generator().manual_seed(11)
+    sequence = _Sequence(0, SamplingParams(), max_tokens, generator, None)  # type: ignore[arg-type]
+    one_by_one = torch.Generator().manual_seed(11)
+    for _ in range(max_tokens):
+        assert sequence.next_uniform() == torch.rand(1, generator=one_by_one, dtype=torch.float64).item()
+        sequence.tokens.append(0)
+    assert sequence.uniforms_ahead == []
+    # Nothing drawn past max_tokens: the generator is where max_tokens single draws leave it.
+    assert torch.equal(sequence.generator.get_state(), one_by_one.get_state())
 
 
 def test_draw_tokens_equals_the_per_row_reference() -> None:

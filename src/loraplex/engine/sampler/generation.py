@@ -65,6 +65,7 @@ from loraplex.model.tensor_parallel import gather_vocab
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+_UNIFORMS_AHEAD = 64  # uniforms a sample draws from its generator at once (_Sequence.next_uniform)
 
 
 @dataclass
@@ -83,6 +84,19 @@ class _Sequence:
     topk_logprobs: list[np.ndarray] = field(default_factory=list)  # per token, (topk_width,) float32
     stop_reason: str | None = None  # "stop" or "length" once finished
     reported: int = 0  # tokens a streaming request has been told of (take_progress)
+    uniforms_ahead: list[float] = field(default_factory=list)  # drawn from the generator, not used yet
+
+    def next_uniform(self) -> float:
+        """The uniform of this sample's next draw: its generator's next float64. They are drawn up to
+        _UNIFORMS_AHEAD at a time (one generator call per step for 128 rows cost ~0.5 ms a step); torch's
+        CPU generator fills a float64 tensor serially, so the stream is the one a call per draw gives and
+        a seed samples what it did (tests/engine/test_sampler.py)."""
+        if not self.uniforms_ahead:
+            # torch.rand's stream, written straight into host memory: nothing a device would wait on.
+            drawn = np.empty(max(1, min(_UNIFORMS_AHEAD, self.max_tokens - len(self.tokens))))
+            torch.from_numpy(drawn).uniform_(generator=self.generator)
+            self.uniforms_ahead = drawn[::-1].tolist()
+        return self.uniforms_ahead.pop()
 
     def to_result(self) -> SampledSequence:
         """The finished sample as plain arrays."""
@@ -455,9 +469,8 @@ class Sampler:
     def _draw(self, logits_BV: Tensor, sequences: Sequence[_Sequence]) -> None:
         """Draw one token per sequence, append it, and retire the sequences that stop."""
         with phase("sampler.draw"):
-            uniforms_B = torch.cat(
-                [torch.rand(1, generator=sequence.generator, dtype=torch.float64) for sequence in sequences]
-            )
+            uniforms = [sequence.next_uniform() for sequence in sequences]
+            uniforms_B = torch.tensor(uniforms, dtype=torch.float64)
             params = [sequence.params for sequence in sequences]
             tokens_B, logprobs_B = draw_tokens(logits_BV, params, uniforms_B)
             self._record_top_logprobs(logits_BV, sequences)
