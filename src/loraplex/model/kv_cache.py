@@ -87,9 +87,9 @@ class KVCache:
         self._lengths: list[int | None] = []  # tokens cached per row; None = the row is free
         self._reserved: list[int] = []  # tokens each live row was allocated for
         # Each row's blocks in position order, then its first block again up to the width (the most
-        # blocks a live row reserved): kept as one array, updated a block at a time, so a step's tables
-        # are one fancy index: 0.023 ms at 128 rows and 80 blocks, where making them from each row's list
-        # took 0.47 ms (docs/BENCHMARKS.md).
+        # blocks a row reserved since the cache was last empty): kept as one array, updated a block at a
+        # time, so a step's tables are one fancy index: 0.023 ms at 128 rows and 80 blocks, where making
+        # them from each row's list took 0.47 ms (docs/BENCHMARKS.md).
         self._table_RW = np.zeros((0, 0), np.int64)
         self._num_row_blocks: list[int] = []  # blocks each row holds
         self._free_blocks: list[int] = []  # blocks no row holds, the next one handed out last

@@ -88,9 +88,9 @@ class _Sequence:
 
     def next_uniform(self) -> float:
         """The uniform of this sample's next draw: its generator's next float64. They are drawn up to
-        _UNIFORMS_AHEAD at a time (one generator call per step for 128 rows cost ~0.5 ms a step); torch's
-        CPU generator fills a float64 tensor serially, so the stream is the one a call per draw gives and
-        a seed samples what it did (tests/engine/test_sampler.py)."""
+        _UNIFORMS_AHEAD at a time (a generator call per row each step cost about 0.8 ms a step at 128
+        rows, docs/BENCHMARKS.md); torch's CPU generator fills a float64 tensor serially, so the stream
+        is the one a call per draw gives and a seed samples what it did (tests/engine/test_sampler.py)."""
         if not self.uniforms_ahead:
             # torch.rand's stream, written straight into host memory: nothing a device would wait on.
             drawn = np.empty(max(1, min(_UNIFORMS_AHEAD, self.max_tokens - len(self.tokens))))
