@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tinker
@@ -17,9 +18,11 @@ PHRASE = [3, 17, 9, 41, 5, 22, 8, 30, 12, 7]
 LR = 2e-3
 
 
-def client(server: Server, key: str = "tml-local") -> tinker.ServiceClient:
-    """An SDK client of `server`, closed (its session finished) before the server stops."""
-    service = tinker.ServiceClient(base_url=server.base_url, api_key=key)
+def client(server: Server, key: str = "tml-local", **options: Any) -> tinker.ServiceClient:
+    """An SDK client of `server` (ServiceClient `options` such as project_id), closed (its session
+    finished) before the server stops: one left open would send heartbeats to a stopped server for the
+    rest of the pytest process."""
+    service = tinker.ServiceClient(base_url=server.base_url, api_key=key, **options)
     server.clients.append(service)
     return service
 

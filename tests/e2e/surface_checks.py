@@ -25,6 +25,7 @@ from tinker.lib.queue_state_logger import QueueState
 
 from tests.e2e.conftest import Server
 from tests.e2e.sdk import PHRASE, logprobs, sft_datum
+from tests.e2e.sdk import client as sdk_client
 
 KEY = "tml-local"
 PROMPT = types.ModelInput.from_ints(PHRASE)
@@ -420,21 +421,13 @@ def _reach(w: World) -> dict[str, str]:
     return {"base_url": w.server.base_url, "api_key": KEY}
 
 
-def _new_service(w: World, **kwargs: str) -> tinker.ServiceClient:
-    """A new ServiceClient of the world's server, closed before it stops: one left open would send
-    heartbeats to a stopped server for the rest of the pytest process."""
-    service = tinker.ServiceClient(**_reach(w), **kwargs)
-    w.server.clients.append(service)
-    return service
-
-
 _BILLING_WINDOW = ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z")
 
 # A not-supported method's check (a lambda here) only calls it.
 CLIENT_CHECKS: dict[str, Check] = {
     "ServiceClient.close": close,
     "ServiceClient.copy_weights": lambda w, call: call(
-        _new_service(w, project_id="archive"), "copy_weights", w.state_path
+        sdk_client(w.server, KEY, project_id="archive"), "copy_weights", w.state_path
     ),
     "ServiceClient.create_custom_loss": create_custom_loss,
     "ServiceClient.create_lora_training_client": create_lora_training_client,

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from tinker.cli.__main__ import main_cli
 
 from tests.e2e.conftest import REPO, Server
-from tests.e2e.sdk import logprobs, sft_steps
+from tests.e2e.sdk import client, logprobs, sft_steps
 from tests.e2e.surface_checks import ADAPTER_FILES, CLIENT_CHECKS, KEY, Call, World
 
 SURFACE = REPO / "docs" / "SDK_SURFACE.md"
@@ -109,13 +109,7 @@ def test_every_row_has_a_check() -> None:
 def world(start_module_server: Callable[..., Server]) -> World:
     # The checks make about 20 runs; with a slot for each, none waits for another to be parked.
     module_server = start_module_server("--max-slots", "32")
-    service = tinker.ServiceClient(
-        base_url=module_server.base_url,
-        api_key=KEY,
-        display_name="sdk surface",
-        user_metadata={"suite": "sdk"},
-    )
-    module_server.clients.append(service)
+    service = client(module_server, KEY, display_name="sdk surface", user_metadata={"suite": "sdk"})
     rest = tinker.RestClient(base_url=module_server.base_url, api_key=KEY)
     model = rest.get_server_capabilities().result().supported_models[0].model_name
     assert model is not None
